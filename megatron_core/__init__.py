@@ -1,0 +1,19 @@
+"""megatron_core: a Megatron-style tensor-parallel core for PyTorch.
+
+Import path mirrors megatron-core: ``megatron_core.parallel_state`` and
+``megatron_core.tensor_parallel`` stand in for ``megatron.core.parallel_state`` and
+``megatron.core.tensor_parallel``.
+"""
+
+from megatron_core import device, parallel_state
+from megatron_core.errors import MegatronCoreError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # errors.py
+    "MegatronCoreError",
+    # submodules
+    "device",
+    "parallel_state",
+]

@@ -1,0 +1,150 @@
+"""The one place that knows the device (DESIGN.md, device rule).
+
+Everything else in megatron_core asks this module for the device type, the default
+torch.distributed backend, the current device and the device's random generator. No other module
+calls ``torch.cuda`` or names the NCCL backend.
+
+How the device type is chosen, first match wins:
+
+1. :func:`set_device_type` was called (``"cpu"`` or ``"cuda"``);
+2. the environment variable ``MEGATRON_CORE_DEVICE`` is ``cpu`` or ``cuda``;
+3. torch.distributed is initialized with the NCCL backend -> ``cuda``;
+4. otherwise ``cpu``.
+
+CUDA is never chosen implicitly on a machine that merely has a GPU: a user asks for it (2 or 1) or
+launches with NCCL (3). On a CPU-only torch build nothing here touches ``torch.cuda`` unless CUDA
+was asked for, in which case a clear error is raised.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_core.errors import MegatronCoreError
+
+__all__ = [
+    "set_device_type",
+    "device_type",
+    "is_accelerator",
+    "default_backend",
+    "current_device",
+    "set_current_device",
+    "get_rng_state",
+    "set_rng_state",
+    "manual_seed",
+    "device_generator",
+    "synchronize",
+    "memory_allocated",
+    "max_memory_allocated",
+    "reset_peak_memory_stats",
+]
+
+_SUPPORTED = ("cpu", "cuda")
+_explicit_device_type: str | None = None
+
+
+def _validate(kind: str, source: str) -> str:
+    if kind not in _SUPPORTED:
+        raise MegatronCoreError(f"{source} ({kind!r}) must be one of {_SUPPORTED}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise MegatronCoreError(
+            f"{source} is 'cuda' but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}); use 'cpu'"
+        )
+    return kind
+
+
+def set_device_type(kind: str | None) -> None:
+    """Choose the device type for the whole process: ``"cpu"``, ``"cuda"``, or None to re-detect."""
+    global _explicit_device_type
+    _explicit_device_type = None if kind is None else _validate(kind, "device type")
+
+
+def device_type() -> str:
+    """Return ``"cpu"`` or ``"cuda"``: the device type megatron_core puts tensors on (see module doc)."""
+    if _explicit_device_type is not None:
+        return _explicit_device_type
+    env = os.environ.get("MEGATRON_CORE_DEVICE")
+    if env:
+        return _validate(env.lower(), "MEGATRON_CORE_DEVICE")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return "cuda"
+    return "cpu"
+
+
+def is_accelerator() -> bool:
+    """True when the device type is an accelerator (cuda), False on cpu."""
+    return device_type() != "cpu"
+
+
+def default_backend() -> str:
+    """The torch.distributed backend that fits the device type: ``nccl`` for cuda, ``gloo`` for cpu."""
+    return "nccl" if device_type() == "cuda" else "gloo"
+
+
+def current_device() -> torch.device:
+    """The device new tensors go to: ``cuda:<current index>`` or ``cpu``."""
+    if device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def set_current_device(local_rank: int) -> None:
+    """Bind this process to accelerator ``local_rank`` (a no-op on cpu)."""
+    if device_type() == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def device_generator() -> torch.Generator:
+    """The default random generator of the current device (the CPU generator on cpu)."""
+    if device_type() == "cuda":
+        return torch.cuda.default_generators[torch.cuda.current_device()]
+    return torch.default_generator
+
+
+def get_rng_state() -> torch.Tensor:
+    """A copy of the current device generator's state (a ByteTensor on the CPU)."""
+    if device_type() == "cuda":
+        return torch.cuda.get_rng_state()
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    """Set the current device generator's state from ``state`` (as returned by get_rng_state)."""
+    if device_type() == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the current device's generator only (on cpu, that is the CPU generator)."""
+    if device_type() == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+def synchronize() -> None:
+    """Wait for all queued work on the current device (a no-op on cpu)."""
+    if device_type() == "cuda":
+        torch.cuda.synchronize()
+
+
+def memory_allocated() -> int:
+    """Bytes currently allocated by torch on the device; 0 on cpu (torch does not track it)."""
+    return torch.cuda.memory_allocated() if device_type() == "cuda" else 0
+
+
+def max_memory_allocated() -> int:
+    """Peak bytes allocated on the device since the last reset; 0 on cpu."""
+    return torch.cuda.max_memory_allocated() if device_type() == "cuda" else 0
+
+
+def reset_peak_memory_stats() -> None:
+    """Reset the device's peak-memory counter (a no-op on cpu)."""
+    if device_type() == "cuda":
+        torch.cuda.reset_peak_memory_stats()

@@ -1,0 +1,22 @@
+"""Packaging for megatron_core (distribution name: megatron-tp-core)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-tp-core",
+    version="0.1.0",
+    description=(
+        "A Megatron-style tensor-parallel core for PyTorch: parallel_state and tensor_parallel, "
+        "device-agnostic and tested on CPU with gloo."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_core", "megatron_core.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.3,<3"],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout>=2"],
+        "dev": ["ruff>=0.4"],
+        "plot": ["matplotlib>=3.5"],
+    },
+)
