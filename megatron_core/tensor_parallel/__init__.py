@@ -3,19 +3,26 @@
 Mirrors ``megatron.core.tensor_parallel``; each block below re-exports one source file.
 """
 
-# --- section: utils.py (owner: layers) ---
-# --- end section: utils.py ---
+# Each section below imports its file's public names and extends __all__ with them, e.g.
+# __all__ += ["divide", "split_tensor_along_last_dim"]
+__all__: list[str] = []
 
-# --- section: mappings.py (owner: layers) ---
+# --- section: utils.py divide/split/VocabUtility (owner: mappings) ---
+# --- end section: utils.py divide/split/VocabUtility ---
+
+# --- section: utils.py 1-D chunks (owner: checkpoint) ---
+# --- end section: utils.py 1-D chunks ---
+
+# --- section: mappings.py (owner: mappings) ---
 # --- end section: mappings.py ---
 
 # --- section: layers.py (owner: layers) ---
 # --- end section: layers.py ---
 
-# --- section: cross_entropy.py (owner: layers) ---
+# --- section: cross_entropy.py (owner: mappings) ---
 # --- end section: cross_entropy.py ---
 
-# --- section: data.py (owner: layers) ---
+# --- section: data.py (owner: mappings) ---
 # --- end section: data.py ---
 
 # --- section: random.py (owner: rng) ---
@@ -24,6 +31,3 @@ Mirrors ``megatron.core.tensor_parallel``; each block below re-exports one sourc
 # --- section: checkpointing.py (owner: checkpoint) ---
 # --- end section: checkpointing.py ---
 
-__all__: list[str] = []
-# Each section above extends __all__ with its names, e.g.
-# __all__ += ["divide", "split_tensor_along_last_dim"]
