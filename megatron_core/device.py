@@ -63,7 +63,7 @@ def set_device_type(kind: str | None) -> None:
 
 
 def device_type() -> str:
-    """Return ``"cpu"`` or ``"cuda"``: the device type megatron_core puts tensors on (see module doc)."""
+    """Return ``"cpu"`` or ``"cuda"``: where megatron_core puts tensors (see module doc)."""
     if _explicit_device_type is not None:
         return _explicit_device_type
     env = os.environ.get("MEGATRON_CORE_DEVICE")
@@ -81,7 +81,7 @@ def is_accelerator() -> bool:
 
 
 def default_backend() -> str:
-    """The torch.distributed backend that fits the device type: ``nccl`` for cuda, ``gloo`` for cpu."""
+    """The torch.distributed backend for the device type: ``nccl`` on cuda, ``gloo`` on cpu."""
     return "nccl" if device_type() == "cuda" else "gloo"
 
 

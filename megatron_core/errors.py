@@ -10,4 +10,4 @@ __all__ = ["MegatronCoreError"]
 
 
 class MegatronCoreError(RuntimeError):
-    """Raised for invalid arguments or invalid use of megatron_core (named values in the message)."""
+    """Raised for invalid arguments or misuse of megatron_core (the message names the values)."""
