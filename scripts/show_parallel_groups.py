@@ -1,0 +1,62 @@
+"""Print every rank's process groups as a table.
+
+Run (4 CPU ranks, tp=2, pp=2):
+    torchrun --standalone --nproc_per_node=4 scripts/show_parallel_groups.py --tp 2 --pp 2
+"""
+
+import argparse
+import os
+
+import torch.distributed as dist
+
+from megatron_core import device, parallel_state
+
+# (column title, group kind in ParallelState.ranks)
+COLUMNS = [
+    ("tp", "tp"),
+    ("pp", "pp"),
+    ("dp", "dp"),
+    ("cp", "cp"),
+    ("ep", "ep"),
+    ("model (tp x pp)", "mp"),
+    ("embedding", "embedding"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2, help="tensor-model-parallel size")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline-model-parallel size")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert-model-parallel size")
+    parser.add_argument("--order", default="tp-cp-ep-dp-pp", help="rank grid order")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = parser.parse_args()
+
+    device.set_device_type(args.device)
+    device.set_current_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(device.default_backend())
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        context_parallel_size=args.cp,
+        expert_model_parallel_size=args.ep,
+        order=args.order,
+    )
+    state = parallel_state.get_parallel_state()
+    row = [str(dist.get_rank())] + [str(state.ranks[kind]) for _, kind in COLUMNS]
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    if dist.get_rank() == 0:
+        header = ["rank"] + [name for name, _ in COLUMNS]
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+        print(" | ".join(h.ljust(w) for h, w in zip(header, widths)))
+        print("-+-".join("-" * w for w in widths))
+        for r in rows:
+            print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
