@@ -1,0 +1,47 @@
+"""device.py: type selection, backend, RNG round trip (single process)."""
+
+import pytest
+import torch
+
+from megatron_core import device
+from megatron_core.errors import MegatronCoreError
+
+
+@pytest.fixture(autouse=True)
+def _reset_device(monkeypatch):
+    monkeypatch.delenv("MEGATRON_CORE_DEVICE", raising=False)
+    device.set_device_type(None)
+    yield
+    device.set_device_type(None)
+
+
+def test_cpu_by_default_with_gloo():
+    assert device.device_type() == "cpu"
+    assert device.default_backend() == "gloo"
+    assert device.current_device() == torch.device("cpu")
+    assert not device.is_accelerator()
+    assert device.device_generator() is torch.default_generator
+    device.synchronize()  # a no-op on cpu, must not touch torch.cuda
+    assert device.memory_allocated() == 0 and device.max_memory_allocated() == 0
+
+
+def test_unknown_device_type_is_refused_with_its_name(monkeypatch):
+    with pytest.raises(MegatronCoreError, match=r"device type \('tpu'\) must be one of"):
+        device.set_device_type("tpu")
+    monkeypatch.setenv("MEGATRON_CORE_DEVICE", "xpu9")
+    with pytest.raises(MegatronCoreError, match=r"MEGATRON_CORE_DEVICE \('xpu9'\)"):
+        device.device_type()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+def test_cuda_without_a_gpu_is_refused():
+    with pytest.raises(MegatronCoreError, match="torch.cuda.is_available"):
+        device.set_device_type("cuda")
+
+
+def test_rng_state_round_trip_replays_the_same_numbers():
+    device.manual_seed(123)
+    state = device.get_rng_state()
+    first = torch.rand(5)
+    device.set_rng_state(state)
+    torch.testing.assert_close(torch.rand(5), first, rtol=0, atol=0)  # bitwise: same stream
