@@ -335,7 +335,7 @@ def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
     Unless ignore_virtual, the first/last stage count only on their first/last virtual chunk.
     """
     state = _state()
-    ranks = state.ranks["embedding"]
+    ranks = state.ranks.get("embedding", [])
     rank = state.global_rank
     if rank not in ranks:
         return False
@@ -351,4 +351,4 @@ def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
 def is_rank_in_position_embedding_group() -> bool:
     """True if this rank holds a copy of the position embedding."""
     state = _state()
-    return state.global_rank in state.ranks["position_embedding"]
+    return state.global_rank in state.ranks.get("position_embedding", [])

@@ -140,15 +140,26 @@ class ParallelState:
 
     def group(self, kind: str) -> dist.ProcessGroup:
         """This rank's process group of ``kind``."""
+        self._check_member(kind)
         return self.groups[kind]
 
     def rank_in(self, kind: str) -> int:
         """This rank's index inside its group of ``kind``."""
+        self._check_member(kind)
         return self.ranks[kind].index(self.global_rank)
 
     def size_of(self, kind: str) -> int:
         """Number of ranks in this rank's group of ``kind``."""
+        self._check_member(kind)
         return len(self.ranks[kind])
+
+    def _check_member(self, kind: str) -> None:
+        # Only embedding kinds leave ranks out (middle pipeline stages hold no embedding).
+        if kind not in self.ranks:
+            raise MegatronCoreError(
+                f"global rank {self.global_rank} is in no {kind} group (only the first/last "
+                f"pipeline stages and the split stage hold embeddings)"
+            )
 
 
 _STATE: ParallelState | None = None
