@@ -1,0 +1,150 @@
+"""Cross entropy over logits split along the vocabulary (the output of a vocab-parallel layer).
+
+Each rank holds ``[..., V / tp]`` logits for its vocabulary range (see :class:`VocabUtility`). The
+loss needs three numbers per token from the whole vocabulary, and each is a sum or a max of
+per-rank values, so no rank ever materializes the full vocabulary:
+
+1. ``m = max_j z_j`` (all-reduce MAX), subtracted from the logits for numerical stability;
+2. ``z_t - m``, the target's shifted logit, contributed by the rank that owns the target;
+3. ``sum_j exp(z_j - m)`` and, with label smoothing, ``sum_j (z_j - m)`` (one all-reduce SUM).
+
+With ``lse = log(sum_j exp(z_j - m))`` and smoothing ``e`` over ``V`` classes, the loss is
+torch's: ``(1 - e) * (lse - (z_t - m)) + e * (lse - sum_j (z_j - m) / V)``, i.e. ``e / V`` of the
+probability mass on every class, the target included. Its gradient is
+``softmax_j - (1 - e) * [j == t] - e / V``, computed from this rank's slice only. Tokens whose
+target is ``ignore_index`` get loss 0 and gradient 0. All arithmetic is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state
+from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.utils import VocabUtility
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+def _check(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> None:
+    if logits.dim() < 1 or tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise MegatronCoreError(
+            f"vocab_parallel_cross_entropy: target shape {tuple(target.shape)} must equal the "
+            f"logits shape {tuple(logits.shape)} without its last (vocabulary) dimension"
+        )
+    if target.dtype.is_floating_point or target.dtype == torch.bool or target.is_complex():
+        raise MegatronCoreError(
+            f"vocab_parallel_cross_entropy: target dtype ({target.dtype}) must be an integer type"
+        )
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise MegatronCoreError(
+            f"vocab_parallel_cross_entropy: label_smoothing ({label_smoothing}) must be in [0, 1]"
+        )
+    if logits.size(-1) < 1:
+        raise MegatronCoreError(
+            f"vocab_parallel_cross_entropy: the vocabulary partition is empty (logits shape "
+            f"{tuple(logits.shape)})"
+        )
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy. Forward: a max all-reduce, then one sum all-reduce of per-token
+    partial results (module doc). Backward: local, this rank's softmax minus the target terms."""
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, label_smoothing, ignore_index, group):
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        partition = vocab_parallel_logits.size(-1)
+        vocab_size = partition * world_size
+        first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            partition, rank, world_size
+        )
+        ignored = target == ignore_index
+        # Same targets on every rank of the group, so every rank raises alike (no collective yet).
+        if bool((((target < 0) | (target >= vocab_size)) & ~ignored).any()):
+            bad = target[((target < 0) | (target >= vocab_size)) & ~ignored]
+            raise MegatronCoreError(
+                f"vocab_parallel_cross_entropy: target values {bad.unique()[:8].tolist()} are "
+                f"outside [0, vocab size ({vocab_size})) and differ from ignore_index "
+                f"({ignore_index})"
+            )
+
+        logits = vocab_parallel_logits.float()
+        logits_max = logits.max(dim=-1)[0]
+        if world_size > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        owned = (target >= first) & (target < last) & ~ignored
+        local_target = torch.where(owned, target - first, torch.zeros_like(target)).long()
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(~owned, 0.0)
+        logit_sum = shifted.sum(dim=-1) if label_smoothing > 0 else torch.zeros_like(target_logit)
+        exp_logits = shifted.exp_()  # `shifted` is ours and no longer needed
+        stats = torch.stack([target_logit, exp_logits.sum(dim=-1), logit_sum])
+        if world_size > 1:
+            dist.all_reduce(stats, group=group)
+        target_logit, sum_exp, logit_sum = stats.unbind(0)
+
+        log_sum_exp = torch.log(sum_exp)
+        loss = log_sum_exp - target_logit
+        if label_smoothing > 0:
+            smooth = log_sum_exp - logit_sum / vocab_size
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+        loss = loss.masked_fill(ignored, 0.0)
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, owned, ignored)
+        ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
+        ctx.logits_dtype = vocab_parallel_logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, local_target, owned, ignored = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        grad = softmax.clone()  # keep the saved tensor intact (backward may run twice)
+        grad.scatter_add_(
+            -1, local_target.unsqueeze(-1), -(1.0 - eps) * owned.unsqueeze(-1).float()
+        )
+        if eps > 0:
+            grad.sub_(eps / ctx.vocab_size)
+        grad.mul_(grad_output.float().masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Per-token cross entropy of vocab-parallel logits, as torch computes it on the full logits.
+
+    Matches ``torch.nn.functional.cross_entropy(full_logits.flatten(0, -2), target.flatten(),
+    label_smoothing=label_smoothing, ignore_index=ignore_index, reduction="none")`` reshaped to
+    ``target.shape`` (see the module doc for the formula); computed in fp32.
+
+    Args:
+        vocab_parallel_logits: ``[..., V / tp]``, this rank's slice of the vocabulary (rank order).
+        target: ``[...]`` global token ids in ``[0, V)`` or ``ignore_index``; the same on every
+            rank of the group.
+        label_smoothing: probability mass spread uniformly over all ``V`` classes, in [0, 1].
+        ignore_index: target value whose tokens get loss 0 and gradient 0 (torch's default -100).
+        group: the process group splitting the vocabulary; default the tensor-model-parallel group.
+
+    Returns:
+        The fp32 loss of every token, shape ``target.shape``.
+
+    Raises:
+        MegatronCoreError: for mismatched shapes, a non-integer target, a target outside the
+            vocabulary, or label_smoothing outside [0, 1].
+    """
+    group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+    _check(vocab_parallel_logits, target, label_smoothing)
+    return _VocabParallelCrossEntropy.apply(
+        vocab_parallel_logits, target, float(label_smoothing), int(ignore_index), group
+    )
