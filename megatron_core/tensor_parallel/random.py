@@ -1,0 +1,448 @@
+"""RNG streams for tensor parallelism: the states tracker, seeding and RNG snapshots.
+
+Megatron-compatible names (``CudaRNGStatesTracker``, ``get_cuda_rng_tracker``,
+``model_parallel_cuda_manual_seed``); the "cuda" in them is Megatron's spelling. The tracker drives
+the current device's generator through :mod:`megatron_core.device`: the CUDA generator of the
+current GPU on cuda, the CPU generator on cpu. Audit and save/load live in ``rng_state.py``;
+``checkpoint`` and friends are re-exported here from ``checkpointing.py`` (as in megatron-core).
+
+# NOTE [ RNG streams ]
+1. Streams. The tracker holds named generator states for the *device* generator. After
+   ``model_parallel_cuda_manual_seed(seed)``:
+     default generator     = seed   (outside any fork; also the CPU generator, see rule 6)
+     "data-parallel-rng"   = seed
+     "model-parallel-rng"  = seed + 2718 + tp_rank
+     "expert-parallel-rng" = seed + 1024 + 100 * ep_rank + etp_rank   (etp_rank = tp_rank here)
+   These are megatron-core's names and values, so a ported model draws the same numbers.
+2. Where each is used. Dropout on activations that are *replicated* across a TP group (outside
+   tensor-parallel regions) draws from the default stream. Dropout on *split* activations (inside a
+   TP region, e.g. attention probabilities per head shard) and init of split weights draw inside
+   ``tracker.fork()`` ("model-parallel-rng"). Expert layers use "expert-parallel-rng".
+3. What must hold (checked by ``audit_rng_streams``):
+   a. default and "data-parallel-rng" are EQUAL across the ranks of a TP group;
+   b. "model-parallel-rng" is DISTINCT across the ranks of a TP group and EQUAL across the
+      data-parallel group (replicas holding the same TP shard);
+   c. "expert-parallel-rng" is DISTINCT across the tensor x expert group and EQUAL across the
+      data-modulo-expert group (replicas of the same expert shard).
+   Break (a) and replicated activations get different masks on different TP ranks, so the shards
+   disagree; break (b) and every shard drops the same units. Neither raises: training is wrong.
+4. Fork. ``fork(name)`` swaps stream ``name`` into the device generator and, on exit (also when
+   the body raises), stores the advanced state back and restores what was there before. Forks
+   nest: entering a fork while stream X is active first writes X's in-flight state back, and
+   leaving restores X from the tracker, so fork A > fork B > fork A draws exactly what the
+   sequential forks A, B, A, B, A draw.
+5. Snapshots are values, never aliases. ``get_states()`` returns copies (including the in-flight
+   state of the active stream), ``set_states()`` stores copies, ``RNGSnapshot`` holds copies and
+   ``set_rng_snapshot`` copies again. megatron-core keeps the dict given to ``set_states`` by
+   reference; a later fork writes into it, so a second recompute from the same saved states (e.g.
+   backward with retain_graph=True through a checkpoint) draws different dropout masks. Restore a
+   snapshot at the fork depth where it was taken (normally outside any fork).
+6. Devices. On cuda the tracker forks only the GPU generator; CPU draws inside a fork come from
+   the (unforked) CPU generator, as in megatron-core. On cpu the device generator IS the CPU
+   generator: a snapshot stores that state once and restores it once. Seeding also seeds the CPU
+   generator with ``seed``; python ``random`` and numpy are left to the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_core import device, parallel_state
+from megatron_core.errors import MegatronCoreError
+
+__all__ = [
+    "CudaRNGStatesTracker",
+    "InferenceCudaRNGStatesTracker",
+    "initialize_rng_tracker",
+    "get_cuda_rng_tracker",
+    "get_all_rng_states",
+    "model_parallel_cuda_manual_seed",
+    "get_data_parallel_rng_tracker_name",
+    "get_model_parallel_rng_tracker_name",
+    "get_expert_parallel_rng_tracker_name",
+    "RNGSnapshot",
+    "get_rng_snapshot",
+    "set_rng_snapshot",
+]
+
+_MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+_DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"
+_EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
+
+
+def get_data_parallel_rng_tracker_name() -> str:
+    """Name of the stream that is equal across TP ranks ("data-parallel-rng")."""
+    return _DATA_PARALLEL_RNG_TRACKER_NAME
+
+
+def get_model_parallel_rng_tracker_name() -> str:
+    """Name of the stream that differs across TP ranks ("model-parallel-rng", fork's default).
+
+    See NOTE [ RNG streams ], rule 2 for where it is used.
+    """
+    return _MODEL_PARALLEL_RNG_TRACKER_NAME
+
+
+def get_expert_parallel_rng_tracker_name() -> str:
+    """Name of the stream used by expert layers ("expert-parallel-rng")."""
+    return _EXPERT_PARALLEL_RNG_TRACKER_NAME
+
+
+def _copy_state(state: Any) -> Any:
+    """A value copy of one generator state: a ByteTensor, or a graph-safe Generator."""
+    return state.clone_state() if isinstance(state, torch.Generator) else state.clone()
+
+
+def _graph_safe_supported() -> bool:
+    return device.is_accelerator() and hasattr(torch.Generator, "graphsafe_get_state")
+
+
+class CudaRNGStatesTracker:
+    """Named states of the device generator, swapped in by :meth:`fork`.
+
+    See NOTE [ RNG streams ]. Works on cpu (drives the CPU generator) and cuda (the current GPU's
+    generator).
+
+    Args:
+        use_cudagraphable_rng: keep streams as graph-safe generator states (CUDA graphs can
+            capture draws from them). Needs an accelerator and a torch with
+            ``Generator.graphsafe_get_state``; raises MegatronCoreError otherwise.
+        is_inference_rng_tracker: accepted for megatron-core compatibility; use
+            :class:`InferenceCudaRNGStatesTracker` (or ``initialize_rng_tracker``) for no-op forks.
+    """
+
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False):
+        if use_cudagraphable_rng and not _graph_safe_supported():
+            raise MegatronCoreError(
+                f"use_cudagraphable_rng=True needs an accelerator device and a torch with "
+                f"Generator.graphsafe_get_state; device type is {device.device_type()!r}, "
+                f"torch {torch.__version__}"
+            )
+        self.use_cudagraphable_rng = use_cudagraphable_rng
+        self.is_inference_rng_tracker = is_inference_rng_tracker
+        # The stream loaded in the generator now. See NOTE [ RNG streams ], rule 4.
+        self._active: str | None = None
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        """True once a stream was added or states were set (False after reset)."""
+        return self._is_initialized
+
+    def reset(self) -> None:
+        """Forget every stream and seed."""
+        self._is_initialized = False
+        self.states_: dict[str, Any] = {}
+        self.seeds_: dict[int, str] = {}
+
+    # The generator's state in this tracker's representation (graph-safe or ByteTensor).
+    def _get(self, gen: torch.Generator) -> Any:
+        return gen.graphsafe_get_state() if self.use_cudagraphable_rng else gen.get_state()
+
+    def _set(self, gen: torch.Generator, state: Any) -> None:
+        if self.use_cudagraphable_rng:
+            gen.graphsafe_set_state(state)
+        else:
+            gen.set_state(state)
+
+    def get_states(self) -> dict[str, Any]:
+        """Copies of every stream's state, the active stream's in-flight state included.
+
+        See NOTE [ RNG streams ], rule 5: the caller owns the result; no fork writes into it.
+        """
+        states = {name: _copy_state(s) for name, s in self.states_.items()}
+        if self._active is not None:
+            states[self._active] = _copy_state(self._get(device.device_generator()))
+        return states
+
+    def set_states(self, states: Mapping[str, Any]) -> None:
+        """Replace every stream with copies of ``states`` (as returned by get_states)."""
+        self._is_initialized = True
+        self.states_ = {name: self._to_state(s) for name, s in states.items()}
+
+    def _to_state(self, state: Any) -> Any:
+        """A private copy of ``state`` in this tracker's representation."""
+        if self.use_cudagraphable_rng and isinstance(state, torch.Tensor):
+            gen = device.device_generator().graphsafe_get_state().clone_state()
+            gen.set_state(state)
+            return gen
+        if not self.use_cudagraphable_rng and isinstance(state, torch.Generator):
+            return state.get_state()
+        return _copy_state(state)
+
+    def add(self, name: str, seed: int) -> None:
+        """Register stream ``name`` seeded with ``seed``; the device generator is left unchanged.
+
+        Raises:
+            MegatronCoreError: the seed or the name is already registered.
+        """
+        if seed in self.seeds_:
+            raise MegatronCoreError(
+                f"RNG tracker add({name!r}, {seed}): seed {seed} already exists "
+                f"(used by stream {self.seeds_[seed]!r})"
+            )
+        if name in self.states_:
+            raise MegatronCoreError(f"RNG tracker add({name!r}, {seed}): stream {name!r} exists")
+        self._is_initialized = True
+        gen = device.device_generator()
+        if self.use_cudagraphable_rng:
+            state = gen.graphsafe_get_state().clone_state()
+            state.manual_seed(seed)
+        else:
+            saved = gen.get_state()
+            gen.manual_seed(seed)
+            state = gen.get_state()
+            gen.set_state(saved)
+        self.seeds_[seed] = name
+        self.states_[name] = state
+
+    @contextlib.contextmanager
+    def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        """Draw from stream ``name`` inside the block; see NOTE [ RNG streams ], rule 4.
+
+        Raises:
+            MegatronCoreError: ``name`` was never added.
+        """
+        if name not in self.states_:
+            raise MegatronCoreError(
+                f"RNG tracker fork({name!r}): stream {name!r} is not added "
+                f"(known: {sorted(self.states_)}); call model_parallel_cuda_manual_seed first"
+            )
+        gen = device.device_generator()
+        outer_name, outer_state = self._active, self._get(gen)
+        if outer_name is not None:
+            self.states_[outer_name] = outer_state  # See NOTE [ RNG streams ], rule 4
+        self._set(gen, self.states_[name])
+        self._active = name
+        try:
+            yield
+        finally:
+            self.states_[name] = self._get(gen)
+            if outer_name is not None:  # the outer stream, advanced by any fork nested in it
+                outer_state = self.states_.get(outer_name, outer_state)
+            self._set(gen, outer_state)
+            self._active = outer_name
+
+
+class _InferenceMode:
+    """No-op add, set_states and fork (megatron-core's inference tracker semantics)."""
+
+    def add(self, name: str, seed: int) -> None:
+        """Does nothing: inference draws from the default stream only."""
+
+    def set_states(self, states: Mapping[str, Any]) -> None:
+        """Does nothing: the inference tracker holds no streams."""
+
+    def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME):
+        """A null context: no stream is swapped in."""
+        return contextlib.nullcontext()
+
+
+class InferenceCudaRNGStatesTracker(_InferenceMode, CudaRNGStatesTracker):
+    """Inference tracker: add, set_states and fork are no-ops (megatron-core semantics)."""
+
+
+def _te_tracker_class(inference: bool) -> type:
+    """Transformer Engine's tracker with value-copy get/set_states; cuda only.
+
+    See NOTE [ RNG streams ], rule 5. Untested here: no Transformer Engine in CI.
+    """
+    if device.device_type() != "cuda":
+        raise MegatronCoreError(
+            f"te_rng_tracker=True needs Transformer Engine on cuda; device type is "
+            f"{device.device_type()!r}"
+        )
+    try:
+        from transformer_engine.pytorch.distributed import CudaRNGStatesTracker as _TETracker
+    except ImportError as e:
+        raise MegatronCoreError(
+            "te_rng_tracker=True needs Transformer Engine (transformer_engine.pytorch), which "
+            f"could not be imported: {e}"
+        ) from e
+
+    class TECudaRNGStatesTracker(_TETracker):
+        """Transformer Engine's tracker with megatron-core's is_initialized and copying states."""
+
+        def reset(self):
+            super().reset()
+            self._is_initialized = False
+
+        def is_initialized(self):
+            return self._is_initialized
+
+        def get_states(self):
+            return {k: _copy_state(v) for k, v in super().get_states().items()}
+
+        def set_states(self, states):
+            super().set_states({k: _copy_state(v) for k, v in states.items()})
+            self._is_initialized = True
+
+        def add(self, name, seed):
+            super().add(name, seed)
+            self._is_initialized = True
+
+    if not inference:
+        return TECudaRNGStatesTracker
+    return type("InferenceTECudaRNGStatesTracker", (_InferenceMode, TECudaRNGStatesTracker), {})
+
+
+_CUDA_RNG_STATE_TRACKER: CudaRNGStatesTracker | None = None
+_CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+def initialize_rng_tracker(
+    use_te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    force_reset: bool = False,
+) -> None:
+    """Create the global tracker once (again with ``force_reset=True``).
+
+    Args:
+        use_te_rng_tracker: use Transformer Engine's tracker (cuda + TE only, else raises).
+        inference_rng_tracker: forks are no-ops (:class:`InferenceCudaRNGStatesTracker`).
+        use_cudagraphable_rng: graph-safe streams (accelerator only, else raises).
+        force_reset: drop the existing tracker and build a new one.
+    """
+    global _CUDA_RNG_STATE_TRACKER, _CUDA_RNG_STATE_TRACKER_INITIALIZED
+    if force_reset:
+        _CUDA_RNG_STATE_TRACKER, _CUDA_RNG_STATE_TRACKER_INITIALIZED = None, False
+    if _CUDA_RNG_STATE_TRACKER_INITIALIZED:
+        return
+    if use_te_rng_tracker:
+        tracker = _te_tracker_class(inference_rng_tracker)()
+    else:
+        cls = InferenceCudaRNGStatesTracker if inference_rng_tracker else CudaRNGStatesTracker
+        tracker = cls(use_cudagraphable_rng, is_inference_rng_tracker=inference_rng_tracker)
+    _CUDA_RNG_STATE_TRACKER, _CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker, True
+
+
+def get_cuda_rng_tracker(
+    use_te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+) -> CudaRNGStatesTracker:
+    """The global tracker, created with these options on first use."""
+    initialize_rng_tracker(use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng)
+    return _CUDA_RNG_STATE_TRACKER
+
+
+def get_all_rng_states() -> dict[str, Any]:
+    """Copies of every tracker stream's state (megatron-core name; NOTE [ RNG streams ], rule 5)."""
+    if not _CUDA_RNG_STATE_TRACKER_INITIALIZED:
+        raise MegatronCoreError("get_all_rng_states: the RNG tracker is not initialized")
+    return _CUDA_RNG_STATE_TRACKER.get_states()
+
+
+def _resolve_ranks(tp_rank, ep_rank, etp_rank) -> tuple[int, int, int]:
+    """Fill in ranks from parallel_state; 0 where it is not initialized."""
+    ready = parallel_state.model_parallel_is_initialized()
+    if tp_rank is None:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank() if ready else 0
+    if ep_rank is None:
+        ep_rank = parallel_state.get_expert_model_parallel_rank() if ready else 0
+    if etp_rank is None:
+        etp_rank = tp_rank  # no separate expert-tensor group: experts are split like TP
+    return tp_rank, ep_rank, etp_rank
+
+
+def model_parallel_cuda_manual_seed(
+    seed: int,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    tp_rank: int | None = None,
+    ep_rank: int | None = None,
+    etp_rank: int | None = None,
+    force_reset_rng: bool = False,
+) -> None:
+    """Seed the default generators and register the three streams (NOTE [ RNG streams ], rule 1).
+
+    Seeds the device generator and the CPU generator with ``seed`` (one generator on cpu), then
+    resets the tracker and adds "data-parallel-rng" (seed), "model-parallel-rng"
+    (seed + 2718 + tp_rank) and "expert-parallel-rng" (seed + 1024 + 100 * ep_rank + etp_rank).
+    Python ``random`` and numpy are not touched. Call after ``initialize_model_parallel``.
+
+    Args:
+        seed: the base seed, the same on every rank.
+        te_rng_tracker: use Transformer Engine's tracker (cuda + TE only).
+        inference_rng_tracker: no-op forks (inference).
+        use_cudagraphable_rng: graph-safe streams (accelerator only).
+        tp_rank: tensor-parallel rank; default parallel_state's, or 0 before it is initialized.
+        ep_rank: expert-parallel rank; default parallel_state's, or 0 before it is initialized.
+        etp_rank: expert-tensor-parallel rank; default ``tp_rank`` (this package has no separate
+            expert-tensor group).
+        force_reset_rng: rebuild the tracker (e.g. to switch between training and inference).
+    """
+    tp_rank, ep_rank, etp_rank = _resolve_ranks(tp_rank, ep_rank, etp_rank)
+    initialize_rng_tracker(
+        te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng
+    )
+    tracker = _CUDA_RNG_STATE_TRACKER
+    tracker.reset()
+    torch.default_generator.manual_seed(seed)  # See NOTE [ RNG streams ], rule 6
+    device.manual_seed(seed)
+    tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
+
+
+@dataclass(frozen=True, eq=False)
+class RNGSnapshot:
+    """Value copies of every generator state checkpointing replays (NOTE [ RNG streams ], rule 5).
+
+    Attributes:
+        device_type: the device type when taken; restoring under another one raises.
+        cpu_state: the CPU generator's state.
+        device_state: the device generator's state (the same tensor as cpu_state on cpu).
+        tracker_states: read-only mapping, tracker stream name -> state copy.
+    """
+
+    device_type: str
+    cpu_state: torch.Tensor
+    device_state: torch.Tensor
+    tracker_states: Mapping[str, Any]
+
+
+def get_rng_snapshot() -> RNGSnapshot:
+    """Copy the CPU, device and tracker-stream states (the tracker is created if needed)."""
+    kind = device.device_type()
+    cpu_state = torch.get_rng_state()
+    device_state = cpu_state if kind == "cpu" else device.get_rng_state()
+    states = get_cuda_rng_tracker().get_states()
+    return RNGSnapshot(kind, cpu_state, device_state, types.MappingProxyType(states))
+
+
+def set_rng_snapshot(snapshot: RNGSnapshot) -> None:
+    """Restore every state in ``snapshot``; the snapshot is copied, never aliased (reusable).
+
+    Raises:
+        MegatronCoreError: the snapshot was taken under another device type.
+    """
+    kind = device.device_type()
+    if snapshot.device_type != kind:
+        raise MegatronCoreError(
+            f"set_rng_snapshot: snapshot was taken on {snapshot.device_type!r}, "
+            f"device type is now {kind!r}"
+        )
+    torch.set_rng_state(snapshot.cpu_state)  # set_state copies the tensor in
+    if kind != "cpu":  # on cpu device_state is cpu_state. See NOTE [ RNG streams ], rule 6
+        device.set_rng_state(snapshot.device_state)
+    get_cuda_rng_tracker().set_states(snapshot.tracker_states)
+
+
+def __getattr__(name: str) -> Any:
+    """Re-export checkpoint & co. from checkpointing.py lazily (it imports this module)."""
+    if not name.startswith("_"):
+        try:
+            from megatron_core.tensor_parallel import checkpointing
+        except ImportError:
+            checkpointing = None
+        if name in getattr(checkpointing, "__all__", ()):
+            return getattr(checkpointing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
