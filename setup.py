@@ -13,7 +13,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_core", "megatron_core.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.3,<3"],
+    install_requires=["torch>=2.4,<3"],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2"],
         "dev": ["ruff>=0.4"],

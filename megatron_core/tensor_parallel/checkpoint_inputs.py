@@ -1,0 +1,334 @@
+"""What a checkpoint keeps between forward and backward: inputs, RNG/autocast state, checksums.
+
+Shared by the reentrant checkpoint (checkpointing.py), the non-reentrant one
+(checkpoint_nonreentrant.py) and CheckpointWithoutOutput (checkpoint_without_output.py). The rules
+are NOTE [ Checkpoint rules ] in checkpointing.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import device, parallel_state
+from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.random import RNGSnapshot, get_rng_snapshot, set_rng_snapshot
+from megatron_core.tensor_parallel.utils import (
+    gather_split_1d_tensor,
+    split_tensor_into_1d_equal_chunks,
+)
+
+__all__ = ["Distribute", "SavedInputs", "capture_saved_inputs"]
+
+
+class Distribute(str, enum.Enum):
+    """Which inputs ``distribute_saved_activations=True`` splits over the TP group (rule 3)."""
+
+    FIRST = "first"  # args[0] only, as megatron-core does
+    ALL = "all"  # every floating-point tensor input with at least tp elements
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """A checkpoint call's settings, validated by checkpointing.checkpoint.
+
+    Attributes:
+        distribute: which inputs to split (rule 3), or None to keep them whole.
+        offload_to_cpu: keep the saved inputs on the CPU (rule 4).
+        check_determinism: compare recomputed values with the forward's (rule 6).
+        tp_group: the group to split over; None means parallel_state's TP group.
+    """
+
+    distribute: Distribute | None = None
+    offload_to_cpu: bool = False
+    check_determinism: bool = False
+    tp_group: dist.ProcessGroup | None = None
+
+
+# --- saved inputs (rules 1, 3, 4) --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """How one tensor input is kept and how to rebuild it."""
+
+    index: int  # position among the flattened inputs
+    shape: torch.Size
+    device: torch.device
+    requires_grad: bool
+    split: bool  # kept as this rank's 1-D chunk (rule 3)
+    version: int | None  # _version when kept as given (non-reentrant checks it; rule 1)
+    fingerprint: Fingerprint | None  # of a split input, with check_determinism (rule 6)
+
+
+_CAPTURES: list[list[SavedInputs]] = []
+
+
+class SavedInputs:
+    """One checkpoint call's inputs as kept between forward and backward (rules 1, 3, 4).
+
+    Non-tensor inputs are kept as they are. A tensor input is kept as given, as this rank's 1-D
+    chunk (distributed), as a CPU copy (offloaded), or as a CPU copy of its chunk. The caller's
+    tensors are never modified. The kept tensors are :attr:`tensors`, in slot order; the reentrant
+    checkpoint hands them to ``ctx.save_for_backward`` and sets ``kept`` to read them back.
+
+    Args:
+        leaves: the flattened inputs.
+        options: the call's settings.
+        version_check: record each kept-as-given tensor's version and refuse to rebuild after an
+            in-place change (the reentrant mode gets this check from save_for_backward instead).
+    """
+
+    def __init__(self, leaves: Sequence[Any], options: CheckpointOptions, version_check: bool):
+        self.options = options
+        self.leaves = [None if torch.is_tensor(x) else x for x in leaves]
+        self.slots: list[_Slot] = []
+        self.tensors: list[Any] | None = []
+        self.kept: Callable[[], Sequence[torch.Tensor]] = lambda: self.tensors or ()
+        split = _split_indices(leaves, options)
+        for index, x in enumerate(leaves):
+            if torch.is_tensor(x):
+                self._keep(index, x, index in split, version_check)
+        for found in _CAPTURES:
+            found.append(self)
+
+    def _keep(self, index: int, x: torch.Tensor, split: bool, version_check: bool) -> None:
+        kept = x.detach()
+        if split:  # See NOTE [ Checkpoint rules ], rule 3: a chunk copy, never x's .data.
+            kept = split_tensor_into_1d_equal_chunks(kept, new_buffer=True, group=self.group)
+        if self.options.offload_to_cpu:  # rule 4: split first, then offload the chunk
+            kept = kept.to("cpu", copy=not split)  # a chunk is already a fresh buffer
+        as_given = not split and not self.options.offload_to_cpu
+        version = x._version if as_given and version_check else None
+        self.tensors.append(x if as_given and not version_check else kept)
+        name = f"distributed input #{len(self.slots)} ({tensor_name(x)})"
+        check = split and self.options.check_determinism
+        fingerprint = Fingerprint.of(x, name, values=True) if check else None
+        self.slots.append(
+            _Slot(index, x.shape, x.device, x.requires_grad, split, version, fingerprint)
+        )
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self.options.tp_group
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """The inputs again, tensors detached with their forward ``requires_grad`` (rules 3, 4).
+
+        Gathers distributed inputs over the TP group: every TP rank must call this.
+
+        Raises:
+            MegatronCoreError: a tensor kept as given was modified in place since forward.
+        """
+        leaves = list(self.leaves)
+        for n, (slot, kept) in enumerate(zip(self.slots, tensors)):
+            if slot.version is not None and kept._version != slot.version:
+                raise MegatronCoreError(
+                    f"checkpoint: input tensor #{n} (shape {list(slot.shape)}) was modified in "
+                    f"place after checkpoint() received it, in the function or before backward "
+                    f"(version {slot.version} -> {kept._version}); the recompute would read the "
+                    "new values (NOTE [ Checkpoint rules ], rule 1)"
+                )
+            if kept.device != slot.device:
+                kept = kept.to(slot.device)
+            if slot.split:
+                kept = gather_split_1d_tensor(kept, numel=slot.shape.numel(), group=self.group)
+                kept = kept.view(slot.shape)
+                _check_gathered(slot, kept)
+            leaves[slot.index] = kept.detach().requires_grad_(slot.requires_grad)
+        return leaves
+
+    def nbytes(self) -> int:
+        """Bytes of storage held by the kept tensors (each storage counted once); a debug aid."""
+        storages = {}
+        for t in self.kept():
+            if torch.is_tensor(t):
+                storage = t.untyped_storage()
+                storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+        return sum(storages.values())
+
+
+def _check_gathered(slot: _Slot, gathered: torch.Tensor) -> None:
+    """With check_determinism: the gathered input must be this rank's forward input (rule 3)."""
+    if slot.fingerprint is None:
+        return
+    problem = slot.fingerprint.mismatch(Fingerprint.of(gathered, "", values=True))
+    if problem is not None:
+        raise MegatronCoreError(
+            f"checkpoint: {slot.fingerprint.name} gathered over the TP group is not this rank's "
+            f"forward input ({problem}); a distributed input must be the same on every rank of "
+            "the TP group (NOTE [ Checkpoint rules ], rule 3)"
+        )
+
+
+def _split_indices(leaves: Sequence[Any], options: CheckpointOptions) -> set[int]:
+    """Positions of the inputs to keep as 1-D chunks (rule 3)."""
+    if options.distribute is None:
+        return set()
+    if options.distribute is Distribute.FIRST:
+        return {0}
+    if options.tp_group is None:
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    else:
+        tp_size = dist.get_world_size(options.tp_group)
+    return {
+        i
+        for i, x in enumerate(leaves)
+        if torch.is_tensor(x) and x.is_floating_point() and x.numel() >= tp_size
+    }
+
+
+@contextlib.contextmanager
+def capture_saved_inputs() -> Iterator[list[SavedInputs]]:
+    """Collect the :class:`SavedInputs` of every checkpoint called inside the block (debug aid).
+
+    ``SavedInputs.nbytes()`` tells how much input storage a checkpoint keeps until backward, e.g.
+    ``ceil(numel / tp) * element_size`` for a distributed input.
+
+    Example::
+
+        with capture_saved_inputs() as saved:
+            out = checkpoint(fn, True, x)
+        print(saved[0].nbytes())
+    """
+    found: list[SavedInputs] = []
+    _CAPTURES.append(found)
+    try:
+        yield found
+    finally:
+        _CAPTURES.remove(found)
+
+
+# --- RNG and autocast replay (rule 2) ----------------------------------------------------------
+
+
+def _autocast_states() -> list[tuple[str, dict[str, Any]]]:
+    kinds = dict.fromkeys([device.device_type(), "cpu"])  # cpu autocast matters on cuda too
+    cache = torch.is_autocast_cache_enabled()
+    return [
+        (
+            kind,
+            {
+                "enabled": torch.is_autocast_enabled(kind),
+                "dtype": torch.get_autocast_dtype(kind),
+                "cache_enabled": cache,
+            },
+        )
+        for kind in kinds
+    ]
+
+
+@dataclass(frozen=True)
+class ForwardState:
+    """The RNG snapshot and autocast state current when a checkpoint's forward ran (rule 2)."""
+
+    rng: RNGSnapshot
+    autocast: list[tuple[str, dict[str, Any]]]
+
+    @classmethod
+    def capture(cls) -> ForwardState:
+        """Snapshot the CPU, device and tracker RNG states and the autocast state now."""
+        return cls(get_rng_snapshot(), _autocast_states())
+
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[None]:
+        """Inside: the forward's RNG and autocast state. After (also on error): the RNG states
+        current before the block. See NOTE [ Checkpoint rules ], rule 2."""
+        current = get_rng_snapshot()
+        set_rng_snapshot(self.rng)
+        try:
+            with contextlib.ExitStack() as stack:
+                for kind, kwargs in self.autocast:
+                    stack.enter_context(torch.autocast(device_type=kind, **kwargs))
+                yield
+        finally:
+            set_rng_snapshot(current)
+
+
+# --- determinism check (rule 6) ----------------------------------------------------------------
+
+# Relative to the tensor's sum of |x| (float64): absorbs summation-order noise of kernels that
+# reduce in a different order on a second run, while one changed dropout mask moves the
+# checksums by a large fraction of that sum.
+DETERMINISM_RTOL = 1e-6
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Metadata and a cheap checksum of one tensor: sum, position-weighted sum, sum of |x|."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    sums: torch.Tensor | None  # float64 [3]; None when only the metadata is compared
+
+    @classmethod
+    def of(cls, t: torch.Tensor, name: str, values: bool) -> Fingerprint:
+        """Fingerprint ``t``; its values too when ``values`` (costs one pass over ``t``)."""
+        sums = None
+        if values:
+            with torch.no_grad():
+                flat = t.detach().reshape(-1).to(torch.float64)
+                weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64)
+                weights = weights.remainder_(251).add_(1)  # detects permuted values
+                sums = torch.stack([flat.sum(), flat.dot(weights), flat.abs().sum()])
+        return cls(name, t.shape, t.dtype, sums)
+
+    def mismatch(self, other: Fingerprint) -> str | None:
+        """None when ``other`` matches, else what differs."""
+        if (self.shape, self.dtype) != (other.shape, other.dtype):
+            return (
+                f"forward had {self.dtype} {list(self.shape)}, "
+                f"recompute {other.dtype} {list(other.shape)}"
+            )
+        if self.sums is None or other.sums is None:
+            return None
+        a, b = self.sums.cpu(), other.sums.cpu()
+        tol = DETERMINISM_RTOL * max(float(a[2]), float(b[2]))
+        same = (a == b) | ((a - b).abs() <= tol) | (torch.isnan(a) & torch.isnan(b))
+        if bool(same.all()):
+            return None
+        return f"values differ (checksums forward {a.tolist()}, recompute {b.tolist()})"
+
+
+def tensor_name(t: torch.Tensor) -> str:
+    """A short description for error messages: dtype, shape and the op that produced it."""
+    made_by = f", produced by {type(t.grad_fn).__name__}" if t.grad_fn is not None else ""
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}{made_by}"
+
+
+def output_fingerprints(outputs: Any) -> list[Fingerprint]:
+    """Value fingerprints of the tensors among ``outputs`` (a tensor or a tuple)."""
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    return [
+        Fingerprint.of(o, f"output #{i} ({tensor_name(o)})", values=True)
+        for i, o in enumerate(outputs)
+        if torch.is_tensor(o)
+    ]
+
+
+def check_outputs(expected: list[Fingerprint], outputs: Any) -> None:
+    """Raise if the recomputed ``outputs`` differ from the forward's (rule 6)."""
+    got = output_fingerprints(outputs)
+    if len(got) != len(expected):
+        raise determinism_error(f"forward returned {len(expected)} tensors, recompute {len(got)}")
+    for want, have in zip(expected, got):
+        problem = want.mismatch(have)
+        if problem is not None:
+            raise determinism_error(f"{want.name}: {problem}")
+
+
+def determinism_error(what: str) -> MegatronCoreError:
+    """The error of a failed forward/recompute comparison (rules 5 and 6)."""
+    return MegatronCoreError(
+        f"checkpoint recompute differs from the forward: {what}. The function must compute the "
+        "same thing twice: draw randomness only from the default generators or the RNG tracker "
+        "(a private torch.Generator is not replayed), read no state that changes between forward "
+        "and backward, and avoid non-deterministic ops (NOTE [ Checkpoint rules ], rules 2, 5, 6)"
+    )

@@ -1,0 +1,457 @@
+"""checkpoint and its variants: bitwise equality with the plain stack, memory kept, errors.
+
+Multi-rank bodies run with tp = world size (1, 2, 4). Comparisons are torch.equal (bitwise): on
+the CPU the recompute runs the same kernels on the same values with the same RNG states, so any
+difference, even in the last bit, is a bug (wrong dropout mask, wrong gather, lost padding).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_core import parallel_state
+from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel import (
+    CheckpointWithoutOutput,
+    capture_saved_inputs,
+    checkpoint,
+    checkpoint_layer_stack,
+    copy_to_tensor_model_parallel_region,
+    get_cuda_rng_tracker,
+    get_rng_snapshot,
+    model_parallel_cuda_manual_seed,
+    reduce_from_tensor_model_parallel_region,
+    set_rng_snapshot,
+)
+from megatron_core.testing import run_distributed
+
+SEED = 1234
+SHAPE = (3, 7, 5)  # 105 elements: neither tp=2 nor tp=4 divides it (padded chunks)
+P = 0.3  # dropout probability
+WORLD_SIZES = [1, 2, 4]
+
+
+HIDDEN, FFN = 5, 8  # FFN splits over tp = 1, 2, 4
+
+
+class _Layer(nn.Module):
+    """A tensor-parallel MLP block, as in megatron-core: f (copy) -> column-parallel linear ->
+    dropout on the split activation inside the tracker fork -> gelu -> row-parallel linear -> g
+    (all-reduce) -> + extra, * scale, masked -> dropout on the replicated output outside any fork.
+
+    Input and output are equal on every TP rank, as between megatron-core's layers; that is what
+    makes distributing the saved input possible (NOTE [ Checkpoint rules ], rule 3).
+    """
+
+    def __init__(self):
+        super().__init__()
+        shard = FFN // parallel_state.get_tensor_model_parallel_world_size()
+        start = parallel_state.get_tensor_model_parallel_rank() * shard
+        rows = slice(start, start + shard)
+        w1, b1 = torch.randn(FFN, HIDDEN) / 2, torch.randn(FFN)
+        w2, b2 = torch.randn(HIDDEN, FFN) / 2, torch.randn(HIDDEN)
+        self.w1, self.b1 = nn.Parameter(w1[rows].clone()), nn.Parameter(b1[rows].clone())
+        self.w2, self.b2 = nn.Parameter(w2[:, rows].clone()), nn.Parameter(b2)
+
+    def forward(self, x, extra, scale, mask, p):
+        h = F.linear(copy_to_tensor_model_parallel_region(x), self.w1, self.b1)
+        with get_cuda_rng_tracker().fork():
+            h = F.dropout(h, p)
+        h = reduce_from_tensor_model_parallel_region(F.linear(F.gelu(h), self.w2)) + self.b2
+        h = ((h + extra) * scale).masked_fill(mask, 0.0)
+        return F.dropout(h, p)
+
+
+def _setup():
+    """parallel_state with tp = world size, seeded streams, 3 layers, inputs (same on all ranks)."""
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    model_parallel_cuda_manual_seed(SEED)
+    layers = nn.ModuleList([_Layer() for _ in range(3)])
+    inputs = (torch.randn(SHAPE), torch.randn(SHAPE[1:]), torch.tensor([1.5]))
+    mask = torch.rand(SHAPE[1:]) > 0.8
+    return layers, inputs, mask
+
+
+# --- the ways to run the stack ----------------------------------------------------------------
+
+
+def _plain(layers, x, extra, scale, mask):
+    for layer in layers:
+        x = layer(x, extra, scale, mask, P)
+    return x
+
+
+def _each(split, **kw):
+    """Every layer its own checkpoint, positional inputs (megatron-core's call)."""
+
+    def run(layers, x, extra, scale, mask):
+        for layer in layers:
+            x = checkpoint(layer, split, x, extra, scale, mask, P, **kw)
+        return x
+
+    return run
+
+
+def _call_structured(x, tensors, *, layer, mask, p):
+    return layer(x, tensors["extra"], tensors["scale"][0], mask, p)
+
+
+def _structured(split, **kw):
+    """Non-reentrant: tensors inside a dict and a list, and keyword arguments."""
+
+    def run(layers, x, extra, scale, mask):
+        for layer in layers:
+            tensors = {"extra": extra, "scale": [scale]}
+            x = checkpoint(
+                _call_structured, split, x, tensors, layer=layer, mask=mask, p=P,
+                use_reentrant=False, **kw,
+            )  # fmt: skip
+        return x
+
+    return run
+
+
+def _nested(inner_reentrant):
+    """A distributed non-reentrant checkpoint around the whole stack, one per layer inside."""
+
+    def outer(x, extra, scale, mask, layers):
+        for layer in layers:
+            x = checkpoint(layer, True, x, extra, scale, mask, P, use_reentrant=inner_reentrant)
+        return x
+
+    def run(layers, x, extra, scale, mask):
+        return checkpoint(outer, True, x, extra, scale, mask, layers, use_reentrant=False)
+
+    return run
+
+
+def _stack(method, n, **kw):
+    def run(layers, x, extra, scale, mask):
+        return checkpoint_layer_stack(
+            layers, x, extra, scale, mask, P, recompute_method=method, recompute_num_layers=n,
+            distribute_saved_activations=True, **kw,
+        )  # fmt: skip
+
+    return run
+
+
+MODES = {
+    "reentrant": _each(False),
+    "reentrant, distributed": _each(True),
+    "reentrant, distributed all": _each(True, distribute="all"),
+    "reentrant, offloaded": _each(False, offload_to_cpu=True),
+    "reentrant, offloaded + distributed all": _each(True, offload_to_cpu=True, distribute="all"),
+    "reentrant, checked": _each(True, check_determinism=True),
+    "non-reentrant": _each(False, use_reentrant=False),
+    "non-reentrant, distributed": _each(True, use_reentrant=False),
+    "non-reentrant, offloaded": _each(False, use_reentrant=False, offload_to_cpu=True),
+    "non-reentrant, structured, distributed all": _structured(True, distribute="all"),
+    "non-reentrant, structured, offloaded + distributed all, checked": _structured(
+        True, distribute="all", offload_to_cpu=True, check_determinism=True
+    ),
+    "nested non-reentrant in non-reentrant": _nested(inner_reentrant=False),
+    "nested reentrant in non-reentrant": _nested(inner_reentrant=True),
+    # A reentrant region of several layers sums the gradients of an input shared by its layers
+    # (extra, scale) inside its own backward, (g2 + g1) + g3 instead of (g3 + g2) + g1: equal to
+    # rounding only, so the reentrant uniform stack is compared in test_layer_stack_methods.
+    "layer stack, uniform 2, non-reentrant": _stack("uniform", 2, use_reentrant=False),
+    "layer stack, block 2": _stack("block", 2),
+}
+
+
+def _step(run, layers, inputs, mask, snapshot):
+    """Forward + two backward passes (retain_graph) from ``snapshot``: what to compare."""
+    set_rng_snapshot(snapshot)
+    layers.zero_grad(set_to_none=True)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = run(layers, *leaves, mask)
+    loss = (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum()
+    loss.backward(retain_graph=True)
+    named = [("x", leaves[0]), ("extra", leaves[1]), ("scale", leaves[2])]
+    named += list(layers.named_parameters())
+    first = {f"grad of {name}": t.grad.clone() for name, t in named}
+    layers.zero_grad(set_to_none=True)
+    for _, t in named[:3]:
+        t.grad = None
+    loss.backward()
+    second = {f"grad of {name}": t.grad for name, t in named}
+    draws = {"draw after backward": torch.rand(4)}
+    with get_cuda_rng_tracker().fork():
+        draws["tracker draw after backward"] = torch.rand(4)
+    return {"output": out.detach(), **first, **draws}, second
+
+
+def _body_equivalence() -> list[str]:
+    layers, inputs, mask = _setup()
+    snapshot = get_rng_snapshot()
+    want, _ = _step(_plain, layers, inputs, mask, snapshot)
+    problems = []
+    for mode, run in {"plain": _plain, **MODES}.items():
+        got, second = _step(run, layers, inputs, mask, snapshot)
+        problems += [f"{mode}: {k} differs" for k in want if not torch.equal(want[k], got[k])]
+        problems += [
+            f"{mode}: second backward (retain_graph=True) differs in {k}"
+            for k in second
+            if not torch.equal(second[k], got[k])
+        ]
+    return problems
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_every_mode_is_bitwise_equal_to_the_plain_stack(world_size):
+    for rank, problems in enumerate(run_distributed(_body_equivalence, world_size, timeout=240)):
+        assert problems == [], f"rank {rank}: {problems}"
+
+
+# --- what is kept between forward and backward; torch.autograd.grad ---------------------------
+
+
+def _storage_refs(storage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def _body_saved_inputs() -> list[str]:
+    """Bytes each checkpoint keeps of its input, and whether the caller's storage stays alive."""
+    layers, (x0, extra, scale), mask = _setup()
+    tp = dist.get_world_size()
+    full, chunk = x0.numel() * 4, -(-x0.numel() // tp) * 4  # float32: 4 bytes per element
+    nr = {"use_reentrant": False}
+    # name -> (distribute, checkpoint kwargs, bytes kept, caller's storage kept alive)
+    cases = {
+        "reentrant": (False, {}, full, True),  # the control: the whole input is kept
+        "reentrant, distributed": (True, {}, chunk, False),
+        "reentrant, offloaded": (False, {"offload_to_cpu": True}, full, False),
+        "reentrant, offloaded + distributed": (True, {"offload_to_cpu": True}, chunk, False),
+        "non-reentrant": (False, nr, full, True),
+        "non-reentrant, distributed": (True, nr, chunk, False),
+        "non-reentrant, offloaded + distributed": (
+            True,
+            {**nr, "offload_to_cpu": True},
+            chunk,
+            False,
+        ),
+    }
+    problems = []
+    for name, (split, kw, want_bytes, want_alive) in cases.items():
+        base = x0.clone().requires_grad_()
+        h = base * 1.0  # not a leaf: only the checkpoint can keep its storage alive
+        before, storage = h.detach().clone(), h.untyped_storage()
+        with capture_saved_inputs() as saved:
+            out = checkpoint(lambda t: layers[0](t, extra, scale, mask, P), split, h, **kw)
+        if h.shape != SHAPE or not torch.equal(h, before) or storage.nbytes() != full:
+            problems.append(f"{name}: the caller's tensor was modified")
+        if saved[0].nbytes() != want_bytes:
+            problems.append(f"{name}: keeps {saved[0].nbytes()} bytes, not {want_bytes}")
+        if kw.get("use_reentrant", True):  # what the autograd node itself holds
+            node = sum(t.untyped_storage().nbytes() for t in out.grad_fn.saved_tensors)
+            if node != want_bytes:
+                problems.append(f"{name}: the autograd node holds {node} bytes")
+        del h
+        if (_storage_refs(storage) > 1) != bool(want_alive):
+            problems.append(f"{name}: caller's storage alive is {not want_alive}")
+        out.sum().backward()
+        if base.grad is None or base.grad.shape != SHAPE:
+            problems.append(f"{name}: no gradient for the input")
+    # distribute="all": every floating-point input of >= tp elements is split; the mask is not.
+    with capture_saved_inputs() as saved:
+        checkpoint(layers[0], True, x0, extra, scale, mask, P, distribute="all", **nr)
+    want = chunk + -(-extra.numel() // tp) * 4 + 4 + mask.numel()  # scale: 1 element, 4 bytes
+    if saved[0].nbytes() != want:
+        problems.append(f"distribute='all' keeps {saved[0].nbytes()} bytes, not {want}")
+    return problems + _autograd_grad_problems(layers, (x0, extra, scale), mask)
+
+
+def _autograd_grad_problems(layers, inputs, mask) -> list[str]:
+    """Reentrant refuses torch.autograd.grad; non-reentrant (distributed) matches .backward()."""
+    snapshot = get_rng_snapshot()
+
+    def forward(run):
+        set_rng_snapshot(snapshot)
+        layers.zero_grad(set_to_none=True)
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        return run(layers, *leaves, mask), [*leaves, *layers.parameters()]
+
+    out, wrt = forward(_plain)
+    out.sum().backward()
+    want = [t.grad for t in wrt]
+    problems = []
+    for mode in ("non-reentrant, distributed", "non-reentrant, structured, distributed all"):
+        out, wrt = forward(MODES[mode])
+        got = torch.autograd.grad(out.sum(), wrt)
+        if not all(torch.equal(a, b) for a, b in zip(want, got)):
+            problems.append(f"{mode}: torch.autograd.grad differs from .backward()")
+        if any(t.grad is not None for t in wrt):
+            problems.append(f"{mode}: torch.autograd.grad accumulated into .grad")
+    out, wrt = forward(MODES["reentrant, distributed"])
+    try:
+        torch.autograd.grad(out.sum(), wrt[:1])
+        problems.append("reentrant: torch.autograd.grad was accepted")
+    except MegatronCoreError as e:
+        if "does not support torch.autograd.grad" not in str(e):
+            problems.append(f"reentrant: unclear error {e}")
+    return problems + _unequal_input_problems(layers, inputs, mask)
+
+
+def _unequal_input_problems(layers, inputs, mask) -> list[str]:
+    """check_determinism refuses a distributed input that differs across the TP group."""
+    if dist.get_world_size() == 1:
+        return []
+    x = (inputs[0] + dist.get_rank()).requires_grad_()
+    out = checkpoint(layers[0], True, x, *inputs[1:], mask, P, check_determinism=True)
+    try:
+        out.sum().backward()
+        return ["an input that differs across TP ranks was distributed without an error"]
+    except MegatronCoreError as e:
+        ok = "must be the same on every rank of the TP group" in str(e)
+        return [] if ok else [f"unclear error for an unequal distributed input: {e}"]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_saved_inputs_memory_and_autograd_grad(world_size):
+    for rank, problems in enumerate(run_distributed(_body_saved_inputs, world_size, timeout=240)):
+        assert problems == [], f"rank {rank}: {problems}"
+
+
+# --- single process: determinism check, errors, CheckpointWithoutOutput, layer stacks ---------
+
+
+@pytest.fixture
+def seeded():
+    """Seeded RNG streams without parallel_state (tp rank 0); the tracker is emptied after."""
+    model_parallel_cuda_manual_seed(SEED)
+    yield get_rng_snapshot()
+    get_cuda_rng_tracker().reset()
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_determinism_check_catches_an_unreplayed_generator(seeded, use_reentrant):
+    private = torch.Generator().manual_seed(7)  # not in the RNG snapshot: recompute differs
+
+    def noisy(x):
+        return x * (torch.rand(x.shape, generator=private) > 0.5)
+
+    x = torch.randn(4, 6, requires_grad=True)
+    out = checkpoint(noisy, False, x, use_reentrant=use_reentrant, check_determinism=True)
+    first = "output #0" if use_reentrant else "saved tensor #0"
+    with pytest.raises(MegatronCoreError, match=rf"{first} \(.*\): values differ"):
+        out.sum().backward()
+    # Off by default: the same function then gives a silently wrong gradient.
+    x.grad = None
+    out = checkpoint(noisy, False, x, use_reentrant=use_reentrant)
+    out.sum().backward()
+    assert not torch.equal(x.grad, (out != 0).to(x.dtype))
+
+
+def test_bad_input_is_refused_before_anything_runs(seeded):
+    x = torch.randn(4, requires_grad=True)
+    assert not parallel_state.model_parallel_is_initialized()
+    with pytest.raises(MegatronCoreError, match="needs the tensor-parallel group, but"):
+        checkpoint(torch.sin, True, x)
+    with pytest.raises(MegatronCoreError, match=r"splits args\[0\], which must be a tensor"):
+        checkpoint(lambda s, t: t * s, True, 2.0, x)
+    with pytest.raises(MegatronCoreError, match=r"distribute_saved_activations \(a Tensor\)"):
+        checkpoint(torch.sin, x)  # forgot megatron-core's second argument
+    with pytest.raises(MegatronCoreError, match=r"distribute \('some'\) must be one of"):
+        checkpoint(torch.sin, False, x, distribute="some")
+    with pytest.raises(MegatronCoreError, match="need use_reentrant=False"):
+        checkpoint(torch.sin, False, x, alpha=2)
+    with pytest.raises(MegatronCoreError, match=r"recompute_method \('full'\) must be one of"):
+        checkpoint_layer_stack([torch.sin], x, recompute_method="full", recompute_num_layers=1)
+    with pytest.raises(MegatronCoreError, match=r"recompute_num_layers \(0\) must be an integer"):
+        checkpoint_layer_stack([torch.sin], x, recompute_method="uniform", recompute_num_layers=0)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_input_changed_in_place_before_backward_is_refused(seeded, use_reentrant):
+    h = torch.randn(4, requires_grad=True) * 1.0
+    out = checkpoint(torch.sin, False, h, use_reentrant=use_reentrant)
+    h.add_(1.0)
+    # reentrant: autograd's own saved-tensor check; non-reentrant: the checkpoint's (rule 1).
+    with pytest.raises(RuntimeError, match="modified (by an inplace operation|in place)"):
+        out.sum().backward()
+
+
+def _act(h):
+    with get_cuda_rng_tracker().fork():
+        h = F.dropout(h, P)
+    return F.gelu(h)
+
+
+@pytest.mark.parametrize("discard", [True, False])
+def test_checkpoint_without_output_is_bitwise_equal_and_releases_the_output(seeded, discard):
+    fc1, fc2 = nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)
+    x0 = torch.randn(SHAPE)
+
+    def step(use_checkpoint):
+        set_rng_snapshot(seeded)
+        fc1.zero_grad(set_to_none=True), fc2.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        ckpt = CheckpointWithoutOutput() if use_checkpoint else None
+        act = ckpt.checkpoint(_act, fc1(x)) if ckpt else _act(fc1(x))
+        out = fc2(act)
+        if ckpt and discard:
+            ckpt.discard_output_and_register_recompute(out)
+            assert act.untyped_storage().nbytes() == 0  # released until backward
+        out = F.dropout(out, P)
+        out.sum().backward()
+        grads = [x.grad, *[p.grad for p in (*fc1.parameters(), *fc2.parameters())]]
+        return [out.detach(), act.detach().clone(), *grads, torch.rand(3)]
+
+    want, got = step(False), step(True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("method, regions", [("uniform", 3), ("block", 2)])
+def test_layer_stack_methods(seeded, method, regions):
+    layers = [nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Dropout(P)) for _ in range(5)]
+    x0, bias = torch.randn(SHAPE), torch.randn(HIDDEN)
+
+    def step(use_checkpoint):
+        set_rng_snapshot(seeded)
+        x, b = x0.clone().requires_grad_(), bias.clone().requires_grad_()
+        fns = [lambda h, b, layer=layer: layer(h) + b for layer in layers]
+        with capture_saved_inputs() as saved:
+            if use_checkpoint:
+                out = checkpoint_layer_stack(
+                    fns, x, b, recompute_method=method, recompute_num_layers=2
+                )
+            else:
+                out = fns[4](fns[3](fns[2](fns[1](fns[0](x, b), b), b), b), b)
+        params = [p for layer in layers for p in layer.parameters()]
+        grads = torch.autograd.grad(out.sum(), [x, b, *params]) if not use_checkpoint else None
+        if use_checkpoint:
+            out.sum().backward()
+            grads = [x.grad, b.grad, *[p.grad for p in params]]
+            for p in params:
+                p.grad = None
+        return out, grads, len(saved)
+
+    (want, want_grads, _), (got, got_grads, made) = step(False), step(True)
+    assert made == regions  # uniform 2 of 5: [0,2) [2,4) [4,5); block 2: layers 0 and 1
+    assert torch.equal(want, got)
+    # A region of several layers sums the gradient of the shared input b in its own backward,
+    # in another order than the plain graph: equal up to float32 rounding of a 5-term sum.
+    for a, b in zip(want_grads, got_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_autocast_state_of_the_forward_is_replayed(seeded, use_reentrant):
+    fc = nn.Linear(HIDDEN, HIDDEN)
+    x0 = torch.randn(SHAPE)
+
+    def step(use_checkpoint):
+        set_rng_snapshot(seeded)
+        fc.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fn = lambda t: F.dropout(fc(t), P)  # noqa: E731
+            out = checkpoint(fn, False, x, use_reentrant=use_reentrant) if use_checkpoint else fn(x)
+        out.float().sum().backward()  # backward (and the recompute) outside autocast
+        return [out, x.grad, fc.weight.grad, fc.bias.grad]
+
+    want, got = step(False), step(True)
+    assert got[0].dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
