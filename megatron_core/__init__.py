@@ -7,12 +7,15 @@ Import path mirrors megatron-core: ``megatron_core.parallel_state`` and
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
+from megatron_core.model_parallel_config import ModelParallelConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     # errors.py
     "MegatronCoreError",
+    # model_parallel_config.py
+    "ModelParallelConfig",
     # submodules
     "device",
     "parallel_state",

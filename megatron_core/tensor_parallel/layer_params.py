@@ -1,0 +1,275 @@
+"""Parameters of the tensor-parallel layers: TP attributes, weight initialization, SP gradients.
+
+Split out of ``layers.py`` (which re-exports the public names, megatron-core's import path) so
+that each file stays one idea: ``layers.py`` holds the modules, this file what they do to their
+parameters.
+
+Tensor-parallel attributes on a parameter: ``tensor_model_parallel`` (it is a shard),
+``partition_dim`` and ``partition_stride`` (how it was cut); RowParallelLinear's bias and the
+LayerNorm weights of a sequence-parallel model carry ``sequence_parallel`` instead (replicated, but
+with partial gradients, see :func:`allreduce_sequence_parallel_grads`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parameter import Parameter
+
+from megatron_core import device, parallel_state
+from megatron_core.errors import MegatronCoreError
+from megatron_core.model_parallel_config import ModelParallelConfig
+from megatron_core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+    get_model_parallel_rng_tracker_name,
+)
+
+__all__ = [
+    "set_tensor_model_parallel_attributes",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "copy_tensor_model_parallel_attributes",
+    "param_is_not_tensor_parallel_duplicate",
+    "allreduce_sequence_parallel_grads",
+]
+
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+}
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
+    """True if ``param`` is a TP shard, or a replicated parameter on TP rank 0 (count it once)."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    return parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def set_tensor_model_parallel_attributes(
+    tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int
+) -> None:
+    """Mark ``tensor`` as split (``is_parallel``) along ``dim`` with ``stride``.
+
+    Raises:
+        MegatronCoreError: if any of the attributes is already set.
+    """
+    already = [name for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS if hasattr(tensor, name)]
+    if already:
+        raise MegatronCoreError(f"tensor-parallel attribute(s) {already} are already set")
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    """Give ``tensor`` the defaults (not parallel, dim -1, stride 1) for attributes it lacks."""
+    for name, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, name):
+            setattr(tensor, name, value)
+
+
+def copy_tensor_model_parallel_attributes(
+    destination_tensor: torch.Tensor, source_tensor: torch.Tensor
+) -> None:
+    """Copy the tensor-parallel attributes ``source_tensor`` has onto ``destination_tensor``."""
+    for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source_tensor, name):
+            setattr(destination_tensor, name, getattr(source_tensor, name))
+
+
+def _initialize_affine_weight_cpu(
+    weight: torch.Tensor,
+    output_size: int,
+    input_size: int,
+    per_partition_size: int,
+    partition_dim: int,
+    init_method: Callable,
+    stride: int = 1,
+    return_master_weight: bool = False,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    rank: int | None = None,
+    world_size: int | None = None,
+    skip_set_tensor_parallel_attributes: bool = False,
+) -> torch.Tensor | None:
+    """Draw the full master weight on the CPU and copy this rank's slice into ``weight``.
+
+    The (output_size, input_size) master is drawn in fp32 by ``init_method`` and cast to
+    ``params_dtype``. Along ``partition_dim`` it is cut into ``world_size * stride`` chunks of
+    ``per_partition_size / stride``; rank r keeps chunks r, r + world_size, ... concatenated. With
+    stride 1 that is the r-th contiguous block; stride k interleaves (e.g. fused [gate; up]
+    weights, where every rank needs a block of each).
+
+    Returns:
+        The master weight if ``return_master_weight``, else None.
+    """
+    if not skip_set_tensor_parallel_attributes:
+        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    master_weight = torch.empty(output_size, input_size, dtype=torch.float32)
+    init_method(master_weight)
+    master_weight = master_weight.to(dtype=params_dtype)
+    if rank is None:
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+    chunks = torch.split(master_weight, per_partition_size // stride, dim=partition_dim)
+    with torch.no_grad():
+        weight.copy_(torch.cat(chunks[rank::world_size], dim=partition_dim))
+    return master_weight if return_master_weight else None
+
+
+def _initialize_affine_weight_gpu(
+    weight: torch.Tensor,
+    init_method: Callable,
+    partition_dim: int,
+    stride: int = 1,
+    is_expert: bool = False,
+    *,
+    skip_set_tensor_parallel_attributes: bool = False,
+) -> None:
+    """Draw this rank's shard in place on its device, inside the tracker's RNG stream."""
+    if not skip_set_tensor_parallel_attributes:
+        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    if is_expert:
+        stream = get_expert_parallel_rng_tracker_name()
+    else:
+        stream = get_model_parallel_rng_tracker_name()
+    with get_cuda_rng_tracker().fork(stream), torch.no_grad():
+        init_method(weight)
+
+
+def _init_shard(
+    weight,
+    config,
+    init_method,
+    full_shape,
+    partition_dim,
+    stride,
+    rank,
+    world_size,
+    keep_master_weight=False,
+    is_expert=False,
+):
+    """Initialize a layer's weight shard the way ``config`` asks; returns the kept master weight.
+
+    Nothing happens without ``config.perform_initialization``; ``use_cpu_initialization`` picks
+    the CPU master-weight draw, otherwise the shard is drawn on its device in the RNG stream.
+    """
+    if not config.perform_initialization:
+        return None
+    if config.use_cpu_initialization:
+        return _initialize_affine_weight_cpu(
+            weight,
+            *full_shape,
+            weight.shape[partition_dim],
+            partition_dim,
+            init_method,
+            stride,
+            keep_master_weight,
+            params_dtype=config.params_dtype,
+            rank=rank,
+            world_size=world_size,
+            skip_set_tensor_parallel_attributes=True,
+        )
+    _initialize_affine_weight_gpu(
+        weight,
+        init_method,
+        partition_dim,
+        stride,
+        is_expert,
+        skip_set_tensor_parallel_attributes=True,
+    )
+    return None
+
+
+def _resolve_tp_group(layer: str, config: ModelParallelConfig, tp_group):
+    """(group, rank in it, its size); parallel_state's group must match the config's TP size."""
+    if tp_group is None:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        size = dist.get_world_size(tp_group)
+        if config.tensor_model_parallel_size != size:
+            raise MegatronCoreError(
+                f"{layer}: config.tensor_model_parallel_size ({config.tensor_model_parallel_size})"
+                f" does not match the tensor-parallel group size ({size}) of parallel_state"
+            )
+    return tp_group, dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def _check_divisible(layer: str, name: str, value: int, by_name: str, by: int) -> None:
+    if not isinstance(value, int) or value < 1 or value % by:
+        raise MegatronCoreError(
+            f"{layer}: {name} ({value!r}) must be a positive multiple of {by_name} ({by})"
+        )
+
+
+def _sequence_parallel(layer: str, config: ModelParallelConfig, world_size: int) -> bool:
+    if config.sequence_parallel and world_size == 1:
+        warnings.warn(
+            f"{layer}: sequence_parallel is True but the tensor-parallel group has 1 rank; "
+            "disabling sequence parallelism for this layer",
+            stacklevel=3,
+        )
+        return False
+    return config.sequence_parallel
+
+
+def _new_param(config: ModelParallelConfig, *shape: int) -> Parameter:
+    where = {} if config.use_cpu_initialization else {"device": device.current_device()}
+    return Parameter(torch.empty(*shape, dtype=config.params_dtype, **where))
+
+
+def _new_bias(config: ModelParallelConfig, size: int) -> Parameter:
+    bias = _new_param(config, size)
+    if config.perform_initialization:
+        with torch.no_grad():
+            bias.zero_()
+    return bias
+
+
+def _check_last_dim(layer: str, input_: torch.Tensor, expected: int) -> None:
+    if input_.dim() == 0 or input_.shape[-1] != expected:
+        raise MegatronCoreError(
+            f"{layer}: input's last dimension (shape {tuple(input_.shape)}) must be {expected}"
+        )
+
+
+def allreduce_sequence_parallel_grads(
+    module: torch.nn.Module, group: dist.ProcessGroup | None = None
+) -> None:
+    """Sum over the TP group the gradients of parameters marked ``sequence_parallel``.
+
+    Under sequence parallelism a replicated parameter (LayerNorm weight and bias, the bias of a
+    RowParallelLinear) sees only this rank's part of the sequence, so its gradient is partial
+    and differs across TP ranks (megatron issue 1446). Call this after backward, before the
+    optimizer step (megatron-core does it in finalize_model_grads). ``param.main_grad`` is used
+    instead of ``param.grad`` where it exists. Every rank of the group must call it with the same
+    parameters having gradients; gradients of one dtype go in one all-reduce.
+
+    Args:
+        module: the model (or any module) whose parameters to scan.
+        group: the tensor-parallel group; default parallel_state's.
+    """
+    grads = []
+    for param in module.parameters():
+        if param.requires_grad and getattr(param, "sequence_parallel", False):
+            grad = param.main_grad if hasattr(param, "main_grad") else param.grad
+            if grad is not None:
+                grads.append(grad)
+    if group is None:
+        group = parallel_state.get_tensor_model_parallel_group()
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same_dtype in by_dtype.values():
+        flat = torch.cat([grad.reshape(-1) for grad in same_dtype])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for grad in same_dtype:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()

@@ -1,0 +1,431 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Megatron-core's names, signatures and semantics (Shoeybi et al., arXiv:1909.08053; sequence
+parallelism: Korthikanti et al., arXiv:2205.05198). Forward communication goes only through the
+region functions of ``mappings.py``; the linear autograd function lives in ``linear_impl.py``
+(re-exported here). Options come from :class:`~megatron_core.ModelParallelConfig`; every layer
+uses the tensor-parallel group of parallel_state unless given ``tp_group=``.
+
+Weight initialization (both ways are megatron-core's):
+
+- ``use_cpu_initialization=True``: the full (output, input) master weight is drawn in fp32 on the
+  CPU by ``init_method``, cast to ``params_dtype``, and this rank keeps its slice (stride-aware,
+  see :func:`_initialize_affine_weight_cpu`). The same seed gives the same full weight for every
+  TP size. The parameter stays on the CPU (move the module, as with megatron-core).
+- otherwise each rank draws its own shard on the current device inside the RNG tracker's
+  "model-parallel-rng" stream ("expert-parallel-rng" for expert layers).
+
+Biases are zeroed. Under sequence parallelism parameters replicated across the TP group whose
+gradients are partial per rank (RowParallelLinear's bias, LayerNorm weights) carry
+``param.sequence_parallel = True``; all-reduce their gradients after backward with
+:func:`allreduce_sequence_parallel_grads` (megatron-core does this in finalize_model_grads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_core.errors import MegatronCoreError
+from megatron_core.model_parallel_config import ModelParallelConfig
+from megatron_core.tensor_parallel.layer_params import (  # noqa: F401  (re-exports)
+    _check_divisible,
+    _check_last_dim,
+    _init_shard,
+    _initialize_affine_weight_cpu,
+    _initialize_affine_weight_gpu,
+    _new_bias,
+    _new_param,
+    _resolve_tp_group,
+    _sequence_parallel,
+    allreduce_sequence_parallel_grads,
+    copy_tensor_model_parallel_attributes,
+    param_is_not_tensor_parallel_duplicate,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+)
+from megatron_core.tensor_parallel.linear_impl import (
+    LinearWithGradAccumulationAndAsyncCommunication,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
+from megatron_core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron_core.tensor_parallel.utils import VocabUtility
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "LinearWithGradAccumulationAndAsyncCommunication",
+    "linear_with_grad_accumulation_and_async_allreduce",
+    "set_tensor_model_parallel_attributes",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "copy_tensor_model_parallel_attributes",
+    "param_is_not_tensor_parallel_duplicate",
+    "allreduce_sequence_parallel_grads",
+]
+
+
+class _ParallelLinearBase(torch.nn.Module):
+    """What both parallel linear layers share: group, sizes, weight creation, bias flags."""
+
+    def _setup(self, layer, config, tp_group, is_expert, stride):
+        self.config = config
+        self.is_expert = is_expert
+        self.expert_parallel = config.expert_model_parallel_size > 1
+        self.tp_group, self.tp_rank, self.tp_size = _resolve_tp_group(layer, config, tp_group)
+        # Expert layers leave their communication to the MoE token dispatcher (megatron-core).
+        self.explicit_expert_comm = is_expert and (self.tp_size > 1 or self.expert_parallel)
+        self.sequence_parallel = _sequence_parallel(layer, config, self.tp_size)
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        if not isinstance(stride, int) or stride < 1:
+            raise MegatronCoreError(f"{layer}: stride ({stride!r}) must be an integer >= 1")
+
+    def _make_weight(self, shape, partition_dim, init_method, stride, keep_master_weight):
+        """Create, mark and initialize the weight shard; sets self.weight and self.master_weight."""
+        config = self.config
+        self.weight = _new_param(config, *shape)
+        set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride)
+        self.weight.allreduce = not (self.is_expert and self.expert_parallel)
+        self.master_weight = _init_shard(
+            self.weight,
+            config,
+            init_method,
+            (self.output_size, self.input_size),
+            partition_dim,
+            stride,
+            self.tp_rank,
+            self.tp_size,
+            keep_master_weight,
+            self.is_expert,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.input_size}, out_features={self.output_size}, "
+            f"bias={self.bias is not None}, TP={self.tp_size}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class ColumnParallelLinear(_ParallelLinearBase):
+    """Y = XA + b with A split along its output (column) dimension: A = [A_1, ..., A_p].
+
+    Rank r holds the [output_size / p, input_size] shard A_r (stored transposed, as
+    torch.nn.functional.linear expects) and computes Y_r = X A_r (+ b_r). The input enters the
+    tensor-parallel region through f (identity forward, all-reduce of the gradient backward),
+    fused into the linear's backward when async_tensor_model_parallel_allreduce is set; under
+    sequence parallelism the input is this rank's [s/p, b, h] shard, all-gathered along dim 0
+    and its gradient reduce-scattered (see NOTE [ Overlapped linear backward ]).
+
+    Args:
+        input_size: first dimension of A (the input features).
+        output_size: second dimension of A (the output features); a multiple of the TP size.
+        config: the ModelParallelConfig to read options from.
+        init_method: fills a weight tensor in place (e.g. torch.nn.init.normal_).
+        bias: add a bias (split like the output, zero-initialized).
+        gather_output: all-gather the output along the last dimension, so every rank gets Y.
+        stride: interleave the weight shards (see _initialize_affine_weight_cpu).
+        keep_master_weight_for_test: keep the full CPU master weight in ``self.master_weight``.
+        skip_bias_add: do not add the bias; return it as the second output instead.
+        skip_weight_param_allocation: create no weight; forward then takes ``weight=``.
+        is_expert: an MoE expert layer: communication is left to the token dispatcher.
+        tp_group: tensor-parallel group; default parallel_state's.
+
+    Raises:
+        MegatronCoreError: output_size not divisible by the TP size, a bad stride, or
+            config.tensor_model_parallel_size differing from the group size.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: ModelParallelConfig,
+        init_method: Callable,
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        skip_bias_add: bool = False,
+        skip_weight_param_allocation: bool = False,
+        is_expert: bool = False,
+        tp_group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        layer = "ColumnParallelLinear"
+        self._setup(layer, config, tp_group, is_expert, stride)
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        _check_divisible(layer, "output_size", output_size, "tensor-parallel size", self.tp_size)
+        self.output_size_per_partition = output_size // self.tp_size
+        _check_divisible(
+            layer, "output_size per partition", self.output_size_per_partition, "stride", stride
+        )
+        if skip_weight_param_allocation:
+            self.weight, self.master_weight = None, None
+        else:
+            shape = (self.output_size_per_partition, input_size)
+            self._make_weight(shape, 0, init_method, stride, keep_master_weight_for_test)
+        if bias:
+            self.bias = _new_bias(config, self.output_size_per_partition)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            self.bias.allreduce = not (is_expert and self.expert_parallel)
+        else:
+            self.register_parameter("bias", None)
+        self.allreduce_dgrad = (
+            self.tp_size > 1
+            and config.async_tensor_model_parallel_allreduce
+            and not self.sequence_parallel
+        )
+
+    def forward(
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Compute this rank's output columns (or all of them with gather_output).
+
+        Args:
+            input_: [s, b, input_size] ([s/tp, b, input_size] under sequence parallelism).
+            weight: the [output_size / tp, input_size] weight when the layer allocated none.
+            runtime_gather_output: overrides gather_output for this call when not None.
+
+        Returns:
+            (output, output_bias): output is [s, b, output_size / tp] (or [s, b, output_size]
+            when gathered); output_bias is the bias when skip_bias_add, else None.
+        """
+        layer = "ColumnParallelLinear"
+        if weight is None:
+            if self.weight is None:
+                raise MegatronCoreError(
+                    f"{layer}: skip_weight_param_allocation is True, so forward needs weight="
+                )
+            weight = self.weight
+        elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
+            raise MegatronCoreError(
+                f"{layer}: supplied weight shape {tuple(weight.shape)} must be "
+                f"{(self.output_size_per_partition, self.input_size)}"
+            )
+        _check_last_dim(layer, input_, self.input_size)
+        expert_comm = self.explicit_expert_comm
+        if self.allreduce_dgrad or self.sequence_parallel or expert_comm:
+            input_parallel = input_  # the linear function communicates (or the dispatcher does)
+        else:
+            input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_parallel,
+            weight,
+            None if self.skip_bias_add else self.bias,
+            self.gradient_accumulation_fusion,
+            allreduce_dgrad=self.allreduce_dgrad and not expert_comm,
+            sequence_parallel=self.sequence_parallel and not expert_comm,
+            tp_group=self.tp_group,
+        )
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        else:
+            output = output_parallel
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(_ParallelLinearBase):
+    """Y = XA + b with A split along its input (row) dimension and X along its last dimension.
+
+    A = [A_1; ...; A_p], X = [X_1, ..., X_p]: rank r holds the [output_size, input_size / p]
+    shard and computes X_r A_r; the partial sums leave the region through g (all-reduce forward)
+    or, under sequence parallelism, a reduce-scatter along dim 0 giving [s/p, b, output_size].
+    The bias is replicated and added after the reduction; under sequence parallelism it carries
+    ``sequence_parallel = True`` (its gradient is partial, see allreduce_sequence_parallel_grads).
+
+    Args:
+        input_size: first dimension of A; a multiple of the TP size.
+        output_size: second dimension of A.
+        config: the ModelParallelConfig to read options from.
+        init_method: fills a weight tensor in place.
+        bias: add a (replicated, zero-initialized) bias.
+        input_is_parallel: the input is already split along its last dimension (e.g. the output
+            of a ColumnParallelLinear); otherwise it is scattered first. Must be True under
+            sequence parallelism.
+        skip_bias_add: do not add the bias; return it as the second output instead.
+        stride: interleave the weight shards (see _initialize_affine_weight_cpu).
+        keep_master_weight_for_test: keep the full CPU master weight in ``self.master_weight``.
+        is_expert: an MoE expert layer: the output is not reduced (the token dispatcher does it),
+            which requires skip_bias_add.
+        tp_group: tensor-parallel group; default parallel_state's.
+
+    Raises:
+        MegatronCoreError: input_size not divisible by the TP size, sequence parallelism without
+            input_is_parallel, an expert layer without skip_bias_add, or a config/group mismatch.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: ModelParallelConfig,
+        init_method: Callable,
+        bias: bool,
+        input_is_parallel: bool,
+        skip_bias_add: bool,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        is_expert: bool = False,
+        tp_group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        layer = "RowParallelLinear"
+        self._setup(layer, config, tp_group, is_expert, stride)
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        if self.sequence_parallel and not input_is_parallel:
+            raise MegatronCoreError(
+                f"{layer}: sequence_parallel (True) requires input_is_parallel=True "
+                f"(got {input_is_parallel})"
+            )
+        if self.explicit_expert_comm and not skip_bias_add:
+            raise MegatronCoreError(
+                f"{layer}: is_expert (True) with tensor-parallel size {self.tp_size} and "
+                f"expert_model_parallel_size {config.expert_model_parallel_size} leaves the "
+                "output unreduced, so the bias cannot be added here: set skip_bias_add=True"
+            )
+        _check_divisible(layer, "input_size", input_size, "tensor-parallel size", self.tp_size)
+        self.input_size_per_partition = input_size // self.tp_size
+        _check_divisible(
+            layer, "input_size per partition", self.input_size_per_partition, "stride", stride
+        )
+        shape = (output_size, self.input_size_per_partition)
+        self._make_weight(shape, 1, init_method, stride, keep_master_weight_for_test)
+        if bias:
+            self.bias = _new_bias(config, output_size)
+            self.bias.allreduce = not (is_expert and self.expert_parallel)
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Multiply this rank's input columns by its weight rows and reduce over the group.
+
+        Args:
+            input_: [s, b, input_size / tp] if input_is_parallel else [s, b, input_size].
+
+        Returns:
+            (output, output_bias): output is [s, b, output_size] ([s/tp, b, output_size] under
+            sequence parallelism); output_bias is the bias when skip_bias_add, else None.
+        """
+        layer = "RowParallelLinear"
+        if self.input_is_parallel:
+            _check_last_dim(layer, input_, self.input_size_per_partition)
+            input_parallel = input_
+        else:
+            _check_last_dim(layer, input_, self.input_size)
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_parallel,
+            self.weight,
+            None,
+            self.gradient_accumulation_fusion,
+            allreduce_dgrad=False,
+            sequence_parallel=False,
+            tp_group=self.tp_group,
+        )
+        if self.explicit_expert_comm:
+            output = output_parallel
+        elif self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(
+                output_parallel, group=self.tp_group
+            )
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output if self.bias is None else output + self.bias), None
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding split along the vocabulary: rank r holds rows [r V/p, (r+1) V/p).
+
+    Each rank looks up the ids in its range (others read row 0 and are zeroed), then the partial
+    embeddings are summed over the group (g: all-reduce forward, identity backward). With
+    ``reduce_scatter_embeddings`` the [b, s, h] result is transposed to [s, b, h] and
+    reduce-scattered along the sequence instead, as megatron-core's LanguageModelEmbedding does
+    under sequence parallelism.
+
+    Args:
+        num_embeddings: vocabulary size; a multiple of the TP size.
+        embedding_dim: hidden size.
+        init_method: fills a weight tensor in place.
+        config: the ModelParallelConfig to read options from.
+        reduce_scatter_embeddings: reduce-scatter to [s/tp, b, h] instead of all-reducing.
+        tp_group: tensor-parallel group; default parallel_state's.
+
+    Raises:
+        MegatronCoreError: num_embeddings not divisible by the TP size, or a config/group
+            mismatch.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_method: Callable,
+        config: ModelParallelConfig,
+        reduce_scatter_embeddings: bool = False,
+        tp_group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        layer = "VocabParallelEmbedding"
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.deterministic_mode = config.deterministic_mode
+        self.tp_group, self.tp_rank, self.tp_size = _resolve_tp_group(layer, config, tp_group)
+        _check_divisible(
+            layer, "num_embeddings", num_embeddings, "tensor-parallel size", self.tp_size
+        )
+        self.vocab_start_index, self.vocab_end_index = (
+            VocabUtility.vocab_range_from_global_vocab_size(
+                num_embeddings, self.tp_rank, self.tp_size
+            )
+        )
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.weight = _new_param(config, self.num_embeddings_per_partition, embedding_dim)
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        full_shape = (num_embeddings, embedding_dim)
+        _init_shard(self.weight, config, init_method, full_shape, 0, 1, self.tp_rank, self.tp_size)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        """Embed the ids ``input_`` [b, s]: [b, s, h], or [s/tp, b, h] when reduce-scattering."""
+        if self.tp_size > 1:
+            outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
+        else:
+            local_ids = input_
+        if self.deterministic_mode:
+            output_parallel = self.weight[local_ids]
+        else:
+            output_parallel = F.embedding(local_ids, self.weight)
+        if self.tp_size > 1:
+            output_parallel = output_parallel.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            output_parallel = output_parallel.transpose(0, 1).contiguous()
+            return reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+        return reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, TP={self.tp_size}, "
+            f"rows=[{self.vocab_start_index}, {self.vocab_end_index})"
+        )
