@@ -1,0 +1,66 @@
+"""Training a GPT end to end: arguments, byte-level data, checkpoints and the loop.
+
+The engine of ``scripts/train_gpt.py``, importable so that tests call :func:`train` inside
+``megatron_core.testing.run_distributed`` without torchrun. It sits on top of
+``megatron_core.transformer``; nothing else in the package imports it.
+"""
+
+from megatron_core.training.arguments import (
+    build_parser,
+    data_parallel_size,
+    parse_args,
+    validate_args,
+)
+from megatron_core.training.checkpoint import (
+    TRACKER_FILENAME,
+    checkpoint_files,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron_core.training.data import (
+    DEFAULT_CORPUS_DESCRIPTION,
+    VOCAB_SIZE,
+    ByteCorpus,
+    get_batch,
+)
+from megatron_core.training.loop import (
+    TrainingResult,
+    build_model_and_optimizer,
+    initialize_distributed,
+    learning_rate,
+    model_config,
+    padded_vocab_size,
+    train,
+    train_step,
+)
+from megatron_core.training.progress import Progress, format_bytes
+
+__all__ = [
+    # arguments.py
+    "build_parser",
+    "parse_args",
+    "validate_args",
+    "data_parallel_size",
+    # checkpoint.py
+    "TRACKER_FILENAME",
+    "save_checkpoint",
+    "load_checkpoint",
+    "checkpoint_files",
+    # data.py
+    "DEFAULT_CORPUS_DESCRIPTION",
+    "VOCAB_SIZE",
+    "ByteCorpus",
+    "get_batch",
+    # loop.py
+    "TrainingResult",
+    "initialize_distributed",
+    "padded_vocab_size",
+    "model_config",
+    "build_model_and_optimizer",
+    "learning_rate",
+    "train_step",
+    "train",
+    # progress.py
+    "Progress",
+    "format_bytes",
+]

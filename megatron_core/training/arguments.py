@@ -1,0 +1,211 @@
+"""Command-line arguments of scripts/train_gpt.py (megatron-LM's flag names where they exist).
+
+:func:`parse_args` checks what needs no processes; :func:`validate_args` checks what depends on
+the world size. Both raise :class:`~megatron_core.errors.MegatronCoreError` naming the values,
+before any collective, so every rank fails the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_core.errors import MegatronCoreError
+from megatron_core.training.data import DEFAULT_CORPUS_DESCRIPTION
+
+__all__ = ["build_parser", "parse_args", "validate_args", "data_parallel_size"]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+_POS = {"type": _positive_int}
+_FLOAT = {"type": float}
+_FLAG = {"action": "store_true"}
+
+# (group title, [(flag, default, kwargs, help), ...]); help strings show the defaults.
+_ARGUMENTS = [
+    (
+        "model (a tiny byte-level GPT by default)",
+        [
+            ("--num-layers", 4, _POS, "transformer layers"),
+            ("--hidden-size", 128, _POS, "model width"),
+            ("--num-attention-heads", 4, _POS, "attention heads (a multiple of the TP size)"),
+            ("--ffn-hidden-size", None, _POS, "MLP width (None: 4 * hidden size)"),
+            ("--seq-length", 128, _POS, "tokens (bytes) per sample"),
+            ("--hidden-dropout", 0.1, _FLOAT, "dropout after embeddings, attention and MLP"),
+            ("--attention-dropout", 0.1, _FLOAT, "dropout on the attention probabilities"),
+            ("--init-method-std", 0.02, _FLOAT, "standard deviation of the weight init"),
+            (
+                "--make-vocab-size-divisible-by",
+                128,
+                _POS,
+                "pad the 256-byte vocabulary to a multiple of this * TP size (megatron's padding)",
+            ),
+        ],
+    ),
+    (
+        "parallelism (data-parallel size = world size / (tp * pp))",
+        [
+            ("--tensor-model-parallel-size", 2, _POS, "ranks that split every layer"),
+            (
+                "--pipeline-model-parallel-size",
+                1,
+                _POS,
+                "pipeline stages; must be 1 (the groups exist, pipeline schedules do not)",
+            ),
+            (
+                "--sequence-parallel",
+                False,
+                _FLAG,
+                "split LayerNorm and dropout activations along the sequence over the TP group",
+            ),
+            (
+                "--recompute-granularity",
+                None,
+                {"choices": ["full", "selective"]},
+                "activation recompute: core attention only (selective) or whole layers (full)",
+            ),
+            (
+                "--recompute-method",
+                None,
+                {"choices": ["uniform", "block"]},
+                "with full: checkpoint chunks of N layers (uniform) or the first N layers (block)",
+            ),
+            ("--recompute-num-layers", None, {"type": int}, "the N of --recompute-method"),
+            (
+                "--distribute-saved-activations",
+                False,
+                _FLAG,
+                "with full: keep each checkpoint's input split across the TP group",
+            ),
+            (
+                "--device",
+                "cpu",
+                {"choices": ["cpu", "cuda"]},
+                "cpu trains with gloo, cuda with nccl (one GPU per rank)",
+            ),
+        ],
+    ),
+    (
+        "training",
+        [
+            ("--train-iters", 600, _POS, "iterations; the learning-rate schedule spans them"),
+            ("--micro-batch-size", 8, _POS, "samples per rank per forward"),
+            (
+                "--global-batch-size",
+                None,
+                _POS,
+                "samples per iteration (None: micro batch size * data-parallel size); more "
+                "accumulates gradients over microbatches",
+            ),
+            ("--lr", 3e-3, _FLOAT, "peak learning rate (AdamW)"),
+            ("--min-lr", 3e-4, _FLOAT, "learning rate at the end of the cosine decay"),
+            ("--lr-warmup-iters", 20, {"type": int}, "linear warmup iterations"),
+            ("--weight-decay", 0.01, _FLOAT, "AdamW weight decay (not on biases and norms)"),
+            ("--adam-beta1", 0.9, _FLOAT, "AdamW beta1"),
+            ("--adam-beta2", 0.95, _FLOAT, "AdamW beta2"),
+            ("--clip-grad", 1.0, _FLOAT, "clip the global gradient norm to this (0: off)"),
+            ("--seed", 1234, {"type": int}, "random seed (weights, dropout, data order)"),
+            (
+                "--data",
+                None,
+                {"metavar": "PATH"},
+                f"a text file to train on, read as bytes (None: {DEFAULT_CORPUS_DESCRIPTION})",
+            ),
+            ("--log-interval", 20, _POS, "iterations per progress line"),
+            ("--save", None, {"metavar": "DIR"}, "save a checkpoint here at the end"),
+            ("--save-interval", None, _POS, "also save every N iterations"),
+            (
+                "--exit-interval",
+                None,
+                _POS,
+                "stop (and save) at the first iteration that is a multiple of N, keeping the "
+                "schedule of --train-iters; resume with --load",
+            ),
+            ("--load", None, {"metavar": "DIR"}, "resume from the latest checkpoint in DIR"),
+        ],
+    ),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of scripts/train_gpt.py."""
+    parser = argparse.ArgumentParser(
+        prog="train_gpt.py",
+        description="Train a small byte-level GPT with megatron_core's tensor parallelism. "
+        "Launch with torchrun, e.g. torchrun --standalone --nproc_per_node=2 "
+        "scripts/train_gpt.py (CPU + gloo by default).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for title, arguments in _ARGUMENTS:
+        group = parser.add_argument_group(title)
+        for flag, default, kwargs, text in arguments:
+            group.add_argument(flag, default=default, help=text, **kwargs)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and check what needs no processes.
+
+    Raises:
+        MegatronCoreError: a value or combination that no world size makes valid.
+    """
+    args = build_parser().parse_args(argv)
+    if args.pipeline_model_parallel_size != 1:
+        raise MegatronCoreError(
+            f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size}) must be 1: "
+            "megatron_core builds pipeline groups but has no pipeline schedules to train with"
+        )
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise MegatronCoreError(
+                f"--{name.replace('_', '-')} ({getattr(args, name)}) must be in [0, 1)"
+            )
+    if args.lr <= 0 or not 0 <= args.min_lr <= args.lr:
+        raise MegatronCoreError(
+            f"--lr ({args.lr}) must be > 0 and --min-lr ({args.min_lr}) in [0, lr]"
+        )
+    if args.lr_warmup_iters < 0:
+        raise MegatronCoreError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be >= 0")
+    if args.save_interval is not None and args.save is None:
+        raise MegatronCoreError(f"--save-interval ({args.save_interval}) needs --save DIR")
+    return args
+
+
+def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
+    """world_size / (tp * pp)."""
+    return world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> None:
+    """Check what depends on the world size; fills in ``args.global_batch_size``.
+
+    Raises:
+        MegatronCoreError: tp * pp does not divide the world size, the sequence does not split
+            evenly under sequence parallelism, or the global batch is not a multiple of micro
+            batch size * data-parallel size.
+    """
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise MegatronCoreError(
+            f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) "
+            f"* --pipeline-model-parallel-size ({pp}); launch with torchrun --nproc_per_node=N"
+        )
+    if args.sequence_parallel and args.seq_length % tp:
+        raise MegatronCoreError(
+            f"--seq-length ({args.seq_length}) must be divisible by --tensor-model-parallel-size "
+            f"({tp}) with --sequence-parallel"
+        )
+    dp = data_parallel_size(args, world_size)
+    step = args.micro_batch_size * dp
+    if args.global_batch_size is None:
+        args.global_batch_size = step
+    if args.global_batch_size % step:
+        raise MegatronCoreError(
+            f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
+            f"--micro-batch-size ({args.micro_batch_size}) * data-parallel size ({dp})"
+        )

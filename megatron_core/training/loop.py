@@ -1,0 +1,314 @@
+"""The training loop of scripts/train_gpt.py, importable so that tests run it without torchrun.
+
+One iteration: for each microbatch, get the batch (TP rank 0 builds it, ``broadcast_data`` sends
+it to the TP group), forward counting the saved activations, backward; then finalize the
+gradients (sequence-parallel grads summed over TP, all grads averaged over DP), clip by the
+global norm, set the learning rate and step AdamW over this rank's shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import device, parallel_state
+from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.layers import (
+    allreduce_sequence_parallel_grads,
+    param_is_not_tensor_parallel_duplicate,
+)
+from megatron_core.tensor_parallel.memory import count_saved_activations
+from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron_core.training.arguments import validate_args
+from megatron_core.training.checkpoint import load_checkpoint, save_checkpoint
+from megatron_core.training.data import VOCAB_SIZE, ByteCorpus, get_batch
+from megatron_core.training.progress import Progress
+from megatron_core.transformer import GPTModel, TransformerConfig
+
+__all__ = [
+    "TrainingResult",
+    "initialize_distributed",
+    "padded_vocab_size",
+    "model_config",
+    "build_model_and_optimizer",
+    "learning_rate",
+    "train_step",
+    "train",
+]
+
+
+@dataclass
+class TrainingResult:
+    """What :func:`train` returns on every rank.
+
+    Attributes:
+        losses: iteration (1-based) -> loss, the token mean averaged over data-parallel ranks.
+        start_iteration: iterations already done when training started (loaded checkpoint).
+        end_iteration: iterations done at the end.
+        tokens_per_second: global tokens per second.
+        activation_bytes: peak saved-tensor bytes of one microbatch forward on this rank.
+        num_parameters: parameters of the whole model (every shard, replicated ones once).
+        model: the trained model (this rank's shard).
+        optimizer: its optimizer.
+    """
+
+    losses: dict[int, float]
+    start_iteration: int
+    end_iteration: int
+    tokens_per_second: float
+    activation_bytes: int
+    num_parameters: int
+    model: GPTModel
+    optimizer: torch.optim.Optimizer
+
+
+def initialize_distributed(device_type: str) -> None:
+    """Choose the device, bind this rank to LOCAL_RANK's accelerator, init the process group.
+
+    Under torchrun the group comes from its environment (RANK, WORLD_SIZE, MASTER_ADDR, ...);
+    started without torchrun (no RANK set) the process is a world of one, rendezvousing through
+    a fresh temporary file.
+    """
+    device.set_device_type(device_type)
+    device.set_current_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ:
+        dist.init_process_group(device.default_backend())
+        return
+    rendezvous = os.path.join(tempfile.mkdtemp(prefix="train_gpt_"), "rendezvous")
+    dist.init_process_group(
+        device.default_backend(), init_method=f"file://{rendezvous}", rank=0, world_size=1
+    )
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Round ``vocab_size`` up to a multiple of divisible_by * tp_size (megatron's padding)."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def model_config(args: argparse.Namespace) -> TransformerConfig:
+    """The TransformerConfig of ``args`` (validated). Weights are drawn full on the CPU, so a
+    run's starting point does not depend on the tensor-parallel size."""
+    return TransformerConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
+        use_cpu_initialization=True,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        distribute_saved_activations=args.distribute_saved_activations,
+    )
+
+
+def build_model_and_optimizer(args: argparse.Namespace, config: TransformerConfig):
+    """The GPTModel on the current device and an AdamW over its local parameters.
+
+    Biases and LayerNorm parameters (1-D) get no weight decay. Needs parallel_state initialized
+    and the RNG seeded.
+    """
+    vocab = padded_vocab_size(
+        VOCAB_SIZE, args.make_vocab_size_divisible_by, config.tensor_model_parallel_size
+    )
+    model = GPTModel(config, vocab, args.seq_length).to(device.current_device())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+    )
+    return model, optimizer
+
+
+def learning_rate(args: argparse.Namespace, step: int) -> float:
+    """Linear warmup over lr_warmup_iters, then cosine decay to min_lr at train_iters."""
+    if step < args.lr_warmup_iters:
+        return args.lr * (step + 1) / args.lr_warmup_iters
+    progress = min(
+        1.0, (step - args.lr_warmup_iters) / max(1, args.train_iters - args.lr_warmup_iters)
+    )
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float) -> None:
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    flat.mul_(scale)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def _finalize_grads(model: torch.nn.Module) -> None:
+    """SP-marked grads summed over TP, then every grad averaged over the data-parallel group."""
+    allreduce_sequence_parallel_grads(model)
+    dp_size = parallel_state.get_data_parallel_world_size()
+    if dp_size > 1:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        _flat_all_reduce(grads, parallel_state.get_data_parallel_group(), 1.0 / dp_size)
+
+
+def _clip_grads(model: torch.nn.Module, max_norm: float) -> float:
+    """Scale the grads so that the global norm over all shards is at most ``max_norm``."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float32, device=device.current_device())
+    for p in params:
+        if param_is_not_tensor_parallel_duplicate(p):  # replicated params count once
+            squares += p.grad.float().pow(2).sum()
+    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    norm = squares.sqrt().item()
+    if norm > max_norm:
+        for p in params:
+            p.grad.mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
+def train_step(model, optimizer, corpus: ByteCorpus, args: argparse.Namespace, step: int):
+    """Run training step ``step`` (0-based); returns (loss averaged over DP, activation bytes)."""
+    optimizer.zero_grad(set_to_none=True)
+    dp_size = parallel_state.get_data_parallel_world_size()
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * dp_size)
+    total = torch.zeros((), dtype=torch.float32, device=device.current_device())
+    activation_bytes = 0
+    for microbatch in range(num_microbatches):
+        tokens, labels = get_batch(corpus, args, step, microbatch)
+        with count_saved_activations(ignore=model.parameters()) as report:
+            loss = model(tokens, labels).mean() / num_microbatches
+        loss.backward()
+        total += loss.detach()
+        activation_bytes = max(activation_bytes, report.total_bytes)
+    _finalize_grads(model)
+    if args.clip_grad > 0:
+        _clip_grads(model, args.clip_grad)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(args, step)
+    optimizer.step()
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return total.item() / dp_size, activation_bytes
+
+
+def _count_parameters(model: torch.nn.Module) -> int:
+    local = sum(p.numel() for p in model.parameters() if param_is_not_tensor_parallel_duplicate(p))
+    count = torch.tensor([local], dtype=torch.int64, device=device.current_device())
+    dist.all_reduce(count, group=parallel_state.get_model_parallel_group())
+    return int(count.item())
+
+
+def _describe(args, corpus: ByteCorpus, config: TransformerConfig, num_parameters: int) -> str:
+    dp = parallel_state.get_data_parallel_world_size()
+    recompute = config.recompute_granularity or "none"
+    if config.recompute_granularity == "full":
+        recompute += f" ({config.recompute_method}, {config.recompute_num_layers} layers"
+        recompute += ", distributed)" if config.distribute_saved_activations else ")"
+    return (
+        f"train_gpt: {dist.get_world_size()} ranks on {device.device_type()} "
+        f"({dist.get_backend()}): tp={config.tensor_model_parallel_size} "
+        f"pp={config.pipeline_model_parallel_size} dp={dp} "
+        f"sequence_parallel={config.sequence_parallel} recompute={recompute}\n"
+        f"model: {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_attention_heads} heads, seq {args.seq_length}, {num_parameters:,} "
+        f"parameters; batch {args.global_batch_size} x {args.seq_length} tokens "
+        f"(micro batch {args.micro_batch_size})\ndata: {corpus.name}, {len(corpus):,} bytes"
+    )
+
+
+def _save(args, iteration, model, optimizer, progress) -> None:
+    plain = {
+        k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))
+    }
+    path = save_checkpoint(args.save, iteration, model, optimizer, plain)
+    progress.print(f"saved checkpoint {path}")
+
+
+def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
+    random.seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    model, optimizer = build_model_and_optimizer(args, config)
+    num_parameters = _count_parameters(model)
+    start = 0
+    if args.load:
+        start, _ = load_checkpoint(args.load, model, optimizer)
+    tokens_per_iteration = args.global_batch_size * args.seq_length
+    progress = Progress(
+        dist.get_rank() == 0, args.train_iters, args.log_interval, tokens_per_iteration
+    )
+    progress.print(_describe(args, corpus, config, num_parameters))
+    if start:
+        progress.print(f"resumed from {args.load} at iteration {start}")
+    losses, end = {}, start
+    for step in range(start, args.train_iters):
+        loss, activation_bytes = train_step(model, optimizer, corpus, args, step)
+        end = step + 1
+        losses[end] = loss
+        progress.step(end, loss, learning_rate(args, step), activation_bytes)
+        if args.exit_interval and end % args.exit_interval == 0:
+            progress.print(f"exiting at iteration {end} (--exit-interval {args.exit_interval})")
+            break
+        if args.save and args.save_interval and end % args.save_interval == 0:
+            if end < args.train_iters:
+                _save(args, end, model, optimizer, progress)
+    if args.save and losses:
+        _save(args, end, model, optimizer, progress)
+    progress.summary(start, end)
+    return TrainingResult(
+        losses=losses,
+        start_iteration=start,
+        end_iteration=end,
+        tokens_per_second=progress.tokens_per_second(),
+        activation_bytes=progress.peak_activation_bytes,
+        num_parameters=num_parameters,
+        model=model,
+        optimizer=optimizer,
+    )
+
+
+def train(args: argparse.Namespace) -> TrainingResult:
+    """Train a GPT as ``args`` (from :func:`~megatron_core.training.arguments.parse_args`) says.
+
+    Call on every rank with torch.distributed initialized (torchrun +
+    :func:`initialize_distributed`, or ``megatron_core.testing.run_distributed``).
+    parallel_state is initialized here and destroyed on return.
+
+    Raises:
+        MegatronCoreError: torch.distributed not initialized, or invalid arguments (raised
+            before any collective), or a failed checkpoint load/save (on every rank).
+    """
+    if not dist.is_initialized():
+        raise MegatronCoreError(
+            "train: torch.distributed is not initialized; launch scripts/train_gpt.py with "
+            "torchrun, or call initialize_distributed() first"
+        )
+    validate_args(args, dist.get_world_size())
+    config = model_config(args)
+    corpus = ByteCorpus.load(args.data, args.seq_length)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
+    try:
+        return _run(args, config, corpus)
+    finally:
+        parallel_state.destroy_model_parallel()
