@@ -455,3 +455,33 @@ def test_autocast_state_of_the_forward_is_replayed(seeded, use_reentrant):
     want, got = step(False), step(True)
     assert got[0].dtype == torch.bfloat16
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_taken_inside_a_fork_replays_the_same_masks(seeded, use_reentrant):
+    # megatron-core's TransformerBlock runs the whole checkpointed stack inside one fork. The
+    # recompute happens in backward, outside any fork; a fork nested in the region must still
+    # continue the outer stream's in-flight state (NOTE [ RNG streams ], rules 4 and 5).
+    lin = nn.Linear(6, 6)
+    x = torch.randn(4, 6, requires_grad=True)
+
+    def region(inp):
+        h = F.dropout(lin(inp), P)
+        with get_cuda_rng_tracker().fork():
+            h = F.dropout(h, P)
+        return F.dropout(h * 2, P)
+
+    def step(use_checkpoint):
+        set_rng_snapshot(seeded)
+        x.grad, lin.weight.grad = None, None
+        with get_cuda_rng_tracker().fork():
+            torch.rand(3)  # the stream is in flight when the region starts
+            if use_checkpoint:
+                out = checkpoint(region, False, x, use_reentrant=use_reentrant)
+            else:
+                out = region(x)
+        out.sum().backward()
+        return out, x.grad, lin.weight.grad, torch.rand(4)
+
+    for got, want in zip(step(True), step(False)):
+        assert torch.equal(got, want)

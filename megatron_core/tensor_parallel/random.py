@@ -35,8 +35,11 @@ current GPU on cuda, the CPU generator on cpu. Audit and save/load live in ``rng
    state of the active stream), ``set_states()`` stores copies, ``RNGSnapshot`` holds copies and
    ``set_rng_snapshot`` copies again. megatron-core keeps the dict given to ``set_states`` by
    reference; a later fork writes into it, so a second recompute from the same saved states (e.g.
-   backward with retain_graph=True through a checkpoint) draws different dropout masks. Restore a
-   snapshot at the fork depth where it was taken (normally outside any fork).
+   backward with retain_graph=True through a checkpoint) draws different dropout masks. A
+   snapshot also records which stream was active (the fork it was taken in) and restoring it makes
+   that stream active again: a region checkpointed inside ``fork(A)`` is recomputed in backward,
+   outside any fork, and a ``fork(A)`` nested in it must still write A's in-flight state back
+   first (rule 4), exactly as it did in forward.
 6. Devices. On cuda the tracker forks only the GPU generator; CPU draws inside a fork come from
    the (unforked) CPU generator, as in megatron-core. On cpu the device generator IS the CPU
    generator: a snapshot stores that state once and restores it once. Seeding also seeds the CPU
@@ -401,12 +404,14 @@ class RNGSnapshot:
         cpu_state: the CPU generator's state.
         device_state: the device generator's state (the same tensor as cpu_state on cpu).
         tracker_states: read-only mapping, tracker stream name -> state copy.
+        active_stream: the stream whose fork was active when taken (None outside any fork).
     """
 
     device_type: str
     cpu_state: torch.Tensor
     device_state: torch.Tensor
     tracker_states: Mapping[str, Any]
+    active_stream: str | None = None
 
 
 def get_rng_snapshot() -> RNGSnapshot:
@@ -414,8 +419,9 @@ def get_rng_snapshot() -> RNGSnapshot:
     kind = device.device_type()
     cpu_state = torch.get_rng_state()
     device_state = cpu_state if kind == "cpu" else device.get_rng_state()
-    states = get_cuda_rng_tracker().get_states()
-    return RNGSnapshot(kind, cpu_state, device_state, types.MappingProxyType(states))
+    tracker = get_cuda_rng_tracker()
+    states = types.MappingProxyType(tracker.get_states())
+    return RNGSnapshot(kind, cpu_state, device_state, states, getattr(tracker, "_active", None))
 
 
 def set_rng_snapshot(snapshot: RNGSnapshot) -> None:
@@ -433,7 +439,10 @@ def set_rng_snapshot(snapshot: RNGSnapshot) -> None:
     torch.set_rng_state(snapshot.cpu_state)  # set_state copies the tensor in
     if kind != "cpu":  # on cpu device_state is cpu_state. See NOTE [ RNG streams ], rule 6
         device.set_rng_state(snapshot.device_state)
-    get_cuda_rng_tracker().set_states(snapshot.tracker_states)
+    tracker = get_cuda_rng_tracker()
+    tracker.set_states(snapshot.tracker_states)
+    if hasattr(tracker, "_active"):  # See NOTE [ RNG streams ], rule 5
+        tracker._active = snapshot.active_stream
 
 
 def __getattr__(name: str) -> Any:
