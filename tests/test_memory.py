@@ -205,3 +205,30 @@ def test_distributed_checkpoint_keeps_one_chunk_per_rank():
     numel, tp = 10, 2  # ceil(10 / 2) = 5 elements per rank
     for per_rank in run_distributed(_distributed_saved_bytes, tp, numel, timeout=120):
         assert per_rank == [5 * F32, 5 * F32]
+
+
+def test_record_counts_tensors_kept_outside_hooks_until_their_owner_dies():
+    class Owner:
+        pass
+
+    kept, owner = torch.zeros(10), Owner()
+    with count_saved_activations() as report:
+        report.record(kept, owner)
+        report.record(kept[2:], owner)  # the same storage: counted once
+    assert report.total_bytes == report.held_bytes == 10 * F32
+    del owner
+    gc.collect()
+    assert report.held_bytes == 0
+
+
+@pytest.mark.skipif(not torch.accelerator.is_available(), reason="no accelerator on this machine")
+def test_accelerator_tensors_are_counted_by_device():
+    where = torch.accelerator.current_accelerator()
+    x = torch.randn(3, 4, device=where, requires_grad=True)
+    w = torch.randn(3, 4, requires_grad=True)  # a CPU tensor saved next to it
+    with count_saved_activations() as report:
+        y = (x * x).sum() + (w * w).sum()
+    by_device = {name.split(":")[0]: n for name, n in report.by_device.items()}
+    assert by_device == {where.type: 12 * F32, "cpu": 12 * F32}
+    y.backward()
+    assert report.held_bytes == 0

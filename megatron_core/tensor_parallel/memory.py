@@ -38,7 +38,9 @@ Example::
    counter sees what that pair's code saves outside it, e.g. the inputs torch's non-reentrant
    checkpoint keeps. A pair that is active when the block starts is called by the counter, so an
    enclosing checkpoint still works; the counter then counts what was offered for saving, and
-   the enclosing pair decides what is really kept.
+   the enclosing pair decides what is really kept. (The enclosing pair is read through torch's
+   private ``torch._C._autograd._top_saved_tensors_default_hooks``; a torch without it gets no
+   forwarding, and the counter's pair then hides what is saved from the enclosing one.)
 6. megatron_core checkpoints. The reentrant ``checkpoint`` and ``CheckpointWithoutOutput`` keep
    their inputs through ``save_for_backward`` (rule 1). The non-reentrant ``checkpoint`` keeps
    them outside any hook, so the counter collects them through ``capture_saved_inputs`` (its
