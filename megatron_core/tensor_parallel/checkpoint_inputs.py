@@ -332,3 +332,21 @@ def determinism_error(what: str) -> MegatronCoreError:
         "(a private torch.Generator is not replayed), read no state that changes between forward "
         "and backward, and avoid non-deterministic ops (NOTE [ Checkpoint rules ], rules 2, 5, 6)"
     )
+
+
+def backward_through(
+    outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any]
+) -> tuple[torch.Tensor | None, ...]:
+    """Backpropagate ``grad_outputs`` through the recomputed ``outputs``; return the inputs' grads.
+
+    Outputs that are not tensors or do not require grad are skipped; an input that does not
+    require grad gets None.
+    """
+    pairs = [
+        (out, grad)
+        for out, grad in zip(outputs, grad_outputs)
+        if torch.is_tensor(out) and out.requires_grad
+    ]
+    if pairs:
+        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+    return tuple(x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs)

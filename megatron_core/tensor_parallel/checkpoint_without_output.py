@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.checkpoint_inputs import ForwardState
+from megatron_core.tensor_parallel.checkpoint_inputs import ForwardState, backward_through
 
 __all__ = ["CheckpointWithoutOutput"]
 
@@ -54,15 +54,7 @@ class _CheckpointWithoutOutputFunction(torch.autograd.Function):
             )
         inputs, outputs = ctx.recomputed
         ctx.recomputed = None
-        pairs = [
-            (out, grad)
-            for out, grad in zip(outputs, grad_outputs)
-            if torch.is_tensor(out) and out.requires_grad
-        ]
-        if pairs:
-            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-        grads = tuple(x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs)
-        return (None, None, *grads)
+        return (None, None, *backward_through(outputs, grad_outputs, inputs))
 
 
 class CheckpointWithoutOutput:

@@ -67,6 +67,7 @@ from megatron_core.tensor_parallel.checkpoint_inputs import (
     Distribute,
     ForwardState,
     SavedInputs,
+    backward_through,
     capture_saved_inputs,
     check_outputs,
     output_fingerprints,
@@ -124,15 +125,7 @@ class CheckpointFunction(torch.autograd.Function):
         if ctx.fingerprints is not None:
             check_outputs(ctx.fingerprints, outputs)  # rule 6
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [
-            (out, grad)
-            for out, grad in zip(outputs, grad_outputs)
-            if torch.is_tensor(out) and out.requires_grad
-        ]
-        if pairs:
-            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-        grads = tuple(x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs)
-        return (None, None, *grads)
+        return (None, None, *backward_through(outputs, grad_outputs, inputs))
 
 
 def _saved_tensors_of(ctx) -> Callable[[], Sequence[torch.Tensor]]:
