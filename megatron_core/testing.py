@@ -49,28 +49,30 @@ How it works:
 
 from __future__ import annotations
 
-import ast
 import atexit
 import collections
 import dataclasses
-import importlib.abc
-import importlib.machinery
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # noqa: F401  (its atexit hook must be registered before ours)
 import os
 import pickle
 import shutil
-import signal
 import sys
 import tempfile
 import threading
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from megatron_core._testing_worker import (
+    _PROTOCOL,
+    _STOP,
+    RESET_SEED,
+    _pytest_rewritten_modules,
+    _worker_main,
+)
 from megatron_core.errors import MegatronCoreError
 
 __all__ = [
@@ -80,16 +82,14 @@ __all__ = [
     "run_distributed",
     "distributed_test",
     "shutdown_pools",
+    "RESET_SEED",
 ]
 
 NO_REUSE_ENV = "MEGATRON_CORE_TEST_NO_REUSE"
 START_METHOD_ENV = "MEGATRON_CORE_TEST_START_METHOD"
-RESET_SEED = 1234
 _FAILURE_GRACE_S = 2.0
 _STARTUP_TIMEOUT_S = 120.0
 _MAX_LIVE_WORKERS = 10
-_STOP = b"stop"
-_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
 @dataclasses.dataclass
@@ -117,158 +117,6 @@ class DistributedTestTimeout(DistributedTestError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Worker side (runs in the spawned processes).
-
-
-def _worker_main(rank: int, world_size: int, init_method: str, conn) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
-    threading.Thread(target=_exit_when_orphaned, daemon=True).start()
-    try:
-        _init_worker(rank, world_size, init_method)
-    except BaseException:
-        conn.send_bytes(pickle.dumps(("startup_error", traceback.format_exc())))
-        return
-    conn.send_bytes(pickle.dumps(("ready", os.getpid())))
-    while True:
-        try:
-            task = conn.recv_bytes()
-        except (EOFError, OSError):
-            return
-        if task == _STOP:
-            break
-        conn.send_bytes(_run_task(task))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _exit_when_orphaned() -> None:
-    parent = multiprocessing.parent_process()  # the caller, also under forkserver
-    if parent is not None:
-        parent.join()  # returns when the caller's end of the sentinel pipe closes
-        os._exit(1)
-
-
-def _init_worker(rank: int, world_size: int, init_method: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-    error = _reset_process_state()
-    if error is not None:
-        raise MegatronCoreError(f"resetting the worker state failed:\n{error}")
-
-
-def _run_task(task: bytes) -> bytes:
-    try:
-        sys_path, cwd, rewritten, payload = pickle.loads(task)
-        sys.path[:] = sys_path
-        if rewritten:
-            _PytestAssertFinder.install(rewritten)
-        try:
-            os.chdir(cwd)
-        except OSError:
-            pass
-        fn, args, kwargs = pickle.loads(payload)
-        from megatron_core import device
-
-        device.set_device_type("cpu")
-        reply = ("ok", pickle.dumps(fn(*args, **kwargs), protocol=_PROTOCOL))
-    except BaseException as exc:  # reported to the caller, whatever it is
-        reply = ("error", _describe(exc))
-    return pickle.dumps((*reply, _reset_process_state()), protocol=_PROTOCOL)
-
-
-class _PytestAssertFinder(importlib.abc.MetaPathFinder):
-    """Import the modules that pytest assertion-rewrote in the caller (test modules, conftest)
-    with rewritten asserts here too, so a failing ``assert a == b`` shows both values."""
-
-    names: set[str] = set()
-
-    @classmethod
-    def install(cls, names: list[str]) -> None:
-        cls.names.update(names)
-        if not any(isinstance(finder, cls) for finder in sys.meta_path):
-            sys.meta_path.insert(0, cls())
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in self.names:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None and type(spec.loader) is importlib.machinery.SourceFileLoader:
-            spec.loader = _PytestAssertLoader(spec.loader.name, spec.loader.path)
-            return spec
-        return None
-
-
-class _PytestAssertLoader(importlib.machinery.SourceFileLoader):
-    def get_code(self, fullname):  # never a cached .pyc: those hold the plain asserts
-        from _pytest.assertion.rewrite import rewrite_asserts
-
-        path = self.get_filename(fullname)
-        source = self.get_data(path)
-        tree = ast.parse(source, filename=path)
-        rewrite_asserts(tree, source, path)
-        return compile(tree, path, "exec", dont_inherit=True)
-
-
-def _pytest_rewritten_modules() -> list[str]:
-    """Names of the caller's modules that pytest imported with assertion rewriting."""
-    return [
-        name
-        for name, module in list(sys.modules.items())
-        if type(getattr(module, "__loader__", None)).__name__ == "AssertionRewritingHook"
-    ]
-
-
-def _describe(exc: BaseException) -> tuple[str, str, str, bytes | None]:
-    cls = type(exc)
-    type_name = cls.__qualname__
-    if cls.__module__ != "builtins":
-        type_name = f"{cls.__module__}.{type_name}"
-    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # drop _run_task
-    text = "".join(traceback.format_exception(cls, exc, tb))
-    try:
-        pickled = pickle.dumps(exc)
-        pickle.loads(pickled)  # some exceptions pickle but do not unpickle
-    except Exception:
-        pickled = None
-    return type_name, str(exc), text, pickled
-
-
-def _reset_process_state() -> str | None:
-    """Undo what a task may have changed; returns the traceback text if that fails."""
-    try:
-        import torch
-        import torch.distributed as dist
-
-        from megatron_core import device, parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        try:
-            from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
-
-            get_cuda_rng_tracker().reset()
-        except (ImportError, AttributeError):
-            pass
-        device.set_device_type(None)
-        if not dist.is_initialized():
-            raise MegatronCoreError("the default process group was destroyed by the function")
-        torch.set_num_threads(1)
-        torch.set_default_dtype(torch.float32)
-        torch.set_grad_enabled(True)
-        torch.manual_seed(RESET_SEED)
-        return None
-    except BaseException:
-        return traceback.format_exc()
-
-
-# ----------------------------------------------------------------------------------------------
 # Caller side: pools of warm workers.
 
 
@@ -280,7 +128,7 @@ def _context() -> multiprocessing.context.BaseContext:
     )
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload([__name__])  # imports torch and megatron_core once
+        ctx.set_forkserver_preload(["megatron_core._testing_worker"])  # torch + megatron_core, once
     return ctx
 
 

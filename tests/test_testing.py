@@ -244,7 +244,8 @@ from megatron_core.testing import run_distributed
 
 def pid_then_hang():
     import os, time
-    print(os.getpid(), flush=True)
+    # One write of a short line is atomic on a pipe: the two ranks' lines never interleave.
+    os.write(1, f"{os.getpid()}\\n".encode())
     if dist.get_rank() == 1:
         time.sleep(60)
 
