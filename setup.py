@@ -15,8 +15,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4,<3"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "numpy"],  # numpy: all_gather_object
         "dev": ["ruff>=0.4"],
-        "plot": ["matplotlib>=3.5"],
+        "plot": ["matplotlib>=3.5", "numpy"],
     },
 )

@@ -7,9 +7,11 @@ Run (4 CPU ranks, tp=2, pp=2):
 import argparse
 import os
 
+import torch
 import torch.distributed as dist
 
 from megatron_core import device, parallel_state
+from megatron_core.tensor_parallel import gather_split_1d_tensor
 
 # (column title, group kind in ParallelState.ranks)
 COLUMNS = [
@@ -21,6 +23,23 @@ COLUMNS = [
     ("model (tp x pp)", "mp"),
     ("embedding", "embedding"),
 ]
+
+
+def _gather_rows(row: list[str]) -> list[list[str]]:
+    """All-gather every rank's row of strings (as UTF-8 bytes in a fixed-size uint8 tensor)."""
+    data = "\t".join(row).encode()
+    width = 1024
+    if len(data) > width:
+        raise SystemExit(f"row of rank {dist.get_rank()} is {len(data)} bytes (> {width})")
+    mine = torch.zeros(width + 8, dtype=torch.uint8)
+    mine[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    mine[8 : 8 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    everyone = gather_split_1d_tensor(mine.to(device.current_device()), group=dist.group.WORLD)
+    rows = []
+    for chunk in everyone.cpu().view(dist.get_world_size(), -1):
+        size = int.from_bytes(bytes(chunk[:8].tolist()), "little")
+        rows.append(bytes(chunk[8 : 8 + size].tolist()).decode().split("\t"))
+    return rows
 
 
 def main() -> None:
@@ -45,8 +64,7 @@ def main() -> None:
     )
     state = parallel_state.get_parallel_state()
     row = [str(dist.get_rank())] + [str(state.ranks[kind]) for _, kind in COLUMNS]
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, row)
+    rows = _gather_rows(row)
     if dist.get_rank() == 0:
         header = ["rank"] + [name for name, _ in COLUMNS]
         widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
