@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megatron_core.parallel_state import get_parallel_state as _state
+from megatron_core.parallel_state import model_parallel_is_initialized as _initialized
 
 __all__ = [
     "get_tensor_model_parallel_group",
@@ -68,8 +69,15 @@ def _dp_kind(with_context_parallel: bool) -> str:
 # --- tensor model parallel -------------------------------------------------------------------
 
 
-def get_tensor_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup:
-    """The tensor-parallel group of this rank (ranks that split one layer's weights)."""
+def get_tensor_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+    """The tensor-parallel group of this rank (ranks that split one layer's weights).
+
+    Args:
+        check_initialized: megatron-core's flag. True (default): raise MegatronCoreError before
+            initialize_model_parallel, like every getter; False: return None then instead.
+    """
+    if not check_initialized and not _initialized():
+        return None
     return _state().group("tp")
 
 

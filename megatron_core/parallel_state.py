@@ -234,7 +234,8 @@ def initialize_model_parallel(
     ):
         raise MegatronCoreError(
             f"virtual_pipeline_model_parallel_size ({virtual_pipeline_model_parallel_size}) "
-            f"needs pipeline_model_parallel_size ({pipeline_model_parallel_size}) > 1 and >= 1"
+            f"must be >= 1 and needs pipeline_model_parallel_size "
+            f"({pipeline_model_parallel_size}) > 1 (interleaved schedule)"
         )
     grid = _validated_grid(
         world_size,

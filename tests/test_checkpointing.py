@@ -305,6 +305,24 @@ def _unequal_input_problems(layers, inputs, mask) -> list[str]:
         return ["an input that differs across TP ranks was distributed without an error"]
     except MegatronCoreError as e:
         ok = "must be the same on every rank of the TP group" in str(e)
+        if not ok:
+            return [f"unclear error for an unequal distributed input: {e}"]
+    # Only the last rank's input differs, and only inside its own chunk: the gathered tensor is
+    # then exactly that rank's input. Every rank must still raise (none may go on into backward's
+    # collectives while the others stop).
+    x = inputs[0].clone()
+    if dist.get_rank() == dist.get_world_size() - 1:
+        x.view(-1)[-1] += 1.0
+    out = checkpoint(
+        layers[0], True, x.requires_grad_(), *inputs[1:], mask, P, check_determinism=True
+    )
+    try:
+        out.sum().backward()
+        return ["a rank whose own input matched the gathered one went on into backward"]
+    except MegatronCoreError as e:
+        ok = "must be the same on every rank of the TP group" in str(e)
+        if dist.get_rank() == dist.get_world_size() - 1:  # the case this part is about
+            ok = ok and "it matches here, but not on another rank" in str(e)
         return [] if ok else [f"unclear error for an unequal distributed input: {e}"]
 
 

@@ -45,3 +45,42 @@ def test_rng_state_round_trip_replays_the_same_numbers():
     first = torch.rand(5)
     device.set_rng_state(state)
     torch.testing.assert_close(torch.rand(5), first, rtol=0, atol=0)  # bitwise: same stream
+
+
+def test_explicit_and_env_cpu_are_accepted(monkeypatch):
+    device.set_device_type("cpu")
+    assert device.device_type() == "cpu"
+    device.set_device_type(None)
+    monkeypatch.setenv("MEGATRON_CORE_DEVICE", "CPU")  # case-insensitive
+    assert device.device_type() == "cpu" and device.default_backend() == "gloo"
+
+
+def test_cpu_paths_never_touch_torch_cuda(monkeypatch):
+    # A CPU-only torch build has no working torch.cuda: make every call into it fail loudly.
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.cuda was touched on the cpu device type")
+
+    for name in (
+        "is_available",
+        "current_device",
+        "set_device",
+        "device_count",
+        "get_rng_state",
+        "set_rng_state",
+        "manual_seed",
+        "synchronize",
+        "memory_allocated",
+        "max_memory_allocated",
+        "reset_peak_memory_stats",
+    ):
+        monkeypatch.setattr(torch.cuda, name, refuse)
+    device.set_device_type("cpu")
+    assert device.current_device() == torch.device("cpu")
+    device.set_current_device(3)
+    state = device.get_rng_state()
+    device.manual_seed(7)
+    device.set_rng_state(state)
+    assert device.device_generator() is torch.default_generator
+    device.synchronize()
+    device.reset_peak_memory_stats()
+    assert device.memory_allocated() == 0 and device.max_memory_allocated() == 0

@@ -215,3 +215,74 @@ def test_virtual_pipeline_stages():
     # Stage 0 is "first" only on chunk 0; stage 1 is "last" only on the last chunk.
     assert rank0 == [(0, True, False, True, True, True), (1, False, False, True, False, True)]
     assert rank1 == [(0, False, False, False, False, True), (1, False, True, False, True, True)]
+
+
+def _ranks_or_none(get):
+    try:
+        return dist.get_process_group_ranks(get())
+    except MegatronCoreError:
+        return None
+
+
+def _body_more_getters():
+    out = {}
+    ps.initialize_model_parallel(
+        pipeline_model_parallel_size=4,
+        pipeline_model_parallel_split_rank=2,
+        create_gloo_process_groups=False,
+    )
+    out["split"] = ps.get_pipeline_model_parallel_split_rank()
+    out["embedding"] = _ranks_or_none(ps.get_embedding_group)
+    out["position"] = _ranks_or_none(ps.get_position_embedding_group)
+    out["in_groups"] = (ps.is_rank_in_embedding_group(), ps.is_rank_in_position_embedding_group())
+    try:
+        ps.get_data_parallel_group_gloo()
+        out["no_gloo"] = "NO ERROR"
+    except MegatronCoreError as e:
+        out["no_gloo"] = str(e)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    out["mp"] = (ps.get_model_parallel_rank(), ps.get_model_parallel_world_size())
+    out["tp-cp"] = (
+        ps.get_tensor_and_context_parallel_rank(),
+        ps.get_tensor_and_context_parallel_world_size(),
+    )
+    out["dp-cp"] = (
+        ps.get_data_parallel_rank(with_context_parallel=True),
+        ps.get_data_parallel_world_size(with_context_parallel=True),
+        ps.get_data_parallel_src_rank(with_context_parallel=True),
+        dist.get_process_group_ranks(ps.get_data_parallel_group_gloo(with_context_parallel=True)),
+    )
+    out["cp_ranks"] = ps.get_context_parallel_global_ranks()
+    ps.destroy_model_parallel()
+    out["after_destroy"] = (
+        ps.model_parallel_is_initialized(),
+        ps.get_tensor_model_parallel_group(check_initialized=False),
+    )
+    return out
+
+
+def test_split_rank_gloo_off_and_combined_getters_on_real_ranks():
+    split = ps.compute_rank_layout(4, 1, 4, pipeline_model_parallel_split_rank=2)
+    tpcp = ps.compute_rank_layout(4, 2, 1, 2)
+    for rank, out in enumerate(run_distributed(_body_more_getters, 4, timeout=120)):
+        emb = _group_of(split, "embedding", rank)
+        pos = _group_of(split, "position_embedding", rank)
+        assert out["split"] == 2
+        assert (out["embedding"], out["position"]) == (emb, pos)
+        assert emb in ([0, 2, 3], None) and pos in ([0, 2], None)
+        assert out["in_groups"] == (emb is not None, pos is not None)
+        assert "create_gloo_process_groups=False" in out["no_gloo"]
+        mp, tp_cp = _group_of(tpcp, "mp", rank), _group_of(tpcp, "tp-cp", rank)
+        dp_cp = _group_of(tpcp, "dp-cp", rank)
+        assert out["mp"] == (mp.index(rank), len(mp))
+        assert out["tp-cp"] == (tp_cp.index(rank), 4)
+        assert out["dp-cp"] == (dp_cp.index(rank), 2, dp_cp[0], dp_cp)
+        assert out["cp_ranks"] == _group_of(tpcp, "cp", rank)
+        assert out["after_destroy"] == (False, None)
+
+
+def test_unchecked_tensor_group_is_none_before_initialize():
+    assert ps.get_tensor_model_parallel_group(check_initialized=False) is None
+    with pytest.raises(MegatronCoreError, match="not initialized"):
+        ps.get_tensor_model_parallel_group()

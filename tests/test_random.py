@@ -424,3 +424,36 @@ def test_checkpoint_is_re_exported_from_random():
     from megatron_core.tensor_parallel import checkpointing
 
     assert tp_random.checkpoint is checkpointing.checkpoint  # megatron-core's import path
+
+
+def test_set_states_marks_the_tracker_initialized(dev):
+    held = seeded().get_states()
+    tracker = tp_random.CudaRNGStatesTracker()
+    assert not tracker.is_initialized()
+    tracker.set_states(held)
+    assert tracker.is_initialized()
+    with tracker.fork():
+        same(draw(), reference(SEED + 2718))
+
+
+def test_audit_needs_parallel_state(dev):
+    seeded()
+    assert not ps.model_parallel_is_initialized()
+    with pytest.raises(MegatronCoreError, match="audit_rng_streams needs parallel_state"):
+        rng_state.audit_rng_streams()
+
+
+def _body_audit_inside_fork():
+    ps.initialize_model_parallel()
+    tracker = seeded()
+    with tracker.fork(DP):
+        try:
+            rng_state.audit_rng_streams()
+            return "NO ERROR"
+        except MegatronCoreError as e:
+            return str(e)
+
+
+def test_audit_inside_a_fork_is_refused_naming_the_stream():
+    (message,) = run_distributed(_body_audit_inside_fork, 1, timeout=60)
+    assert "audit_rng_streams called inside fork('data-parallel-rng')" in message

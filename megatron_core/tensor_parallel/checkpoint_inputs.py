@@ -116,6 +116,7 @@ class SavedInputs:
 
     @property
     def group(self) -> dist.ProcessGroup | None:
+        """The group distributed inputs are split over (None: parallel_state's TP group)."""
         return self.options.tp_group
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
@@ -140,7 +141,7 @@ class SavedInputs:
             if slot.split:
                 kept = gather_split_1d_tensor(kept, numel=slot.shape.numel(), group=self.group)
                 kept = kept.view(slot.shape)
-                _check_gathered(slot, kept)
+                _check_gathered(slot, kept, self.group)
             leaves[slot.index] = kept.detach().requires_grad_(slot.requires_grad)
         return leaves
 
@@ -154,17 +155,28 @@ class SavedInputs:
         return sum(storages.values())
 
 
-def _check_gathered(slot: _Slot, gathered: torch.Tensor) -> None:
-    """With check_determinism: the gathered input must be this rank's forward input (rule 3)."""
+def _check_gathered(slot: _Slot, gathered: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """With check_determinism: the gathered input must be this rank's forward input (rule 3).
+
+    The ranks agree on the outcome first (one all-reduce over the TP group), so either every rank
+    raises or none does: a rank whose own input happens to match the gathered one would otherwise
+    go on into the backward's collectives and wait there forever.
+    """
     if slot.fingerprint is None:
         return
     problem = slot.fingerprint.mismatch(Fingerprint.of(gathered, "", values=True))
-    if problem is not None:
-        raise MegatronCoreError(
-            f"checkpoint: {slot.fingerprint.name} gathered over the TP group is not this rank's "
-            f"forward input ({problem}); a distributed input must be the same on every rank of "
-            "the TP group (NOTE [ Checkpoint rules ], rule 3)"
-        )
+    failed = torch.tensor([0 if problem is None else 1], device=gathered.device)
+    if group is None:
+        group = parallel_state.get_tensor_model_parallel_group()
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if int(failed.item()) == 0:
+        return
+    problem = problem or "it matches here, but not on another rank of the TP group"
+    raise MegatronCoreError(
+        f"checkpoint: {slot.fingerprint.name} gathered over the TP group is not this rank's "
+        f"forward input ({problem}); a distributed input must be the same on every rank of "
+        "the TP group (NOTE [ Checkpoint rules ], rule 3)"
+    )
 
 
 def _split_indices(leaves: Sequence[Any], options: CheckpointOptions) -> set[int]:

@@ -98,6 +98,7 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run_function, distribute_saved_activations, *args):
+        """Snapshot the RNG, run ``run_function(*args)`` without grad, keep the inputs."""
         options = distribute_saved_activations
         if not isinstance(options, CheckpointOptions):
             options = _options(bool(options), args, Distribute.FIRST, False, False, None)
@@ -114,6 +115,12 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        """Rebuild the inputs, recompute under the forward's RNG, return the input gradients.
+
+        Raises:
+            MegatronCoreError: called through ``torch.autograd.grad`` (rule 5), or the recompute
+                differs from the forward with check_determinism (rule 6).
+        """
         if not torch.autograd._is_checkpoint_valid():  # rule 5
             raise MegatronCoreError(
                 "checkpoint (reentrant) does not support torch.autograd.grad: call .backward(), "

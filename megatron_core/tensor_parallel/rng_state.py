@@ -134,10 +134,10 @@ def audit_rng_streams(raise_on_violation: bool = True, num_draws: int = 4) -> RN
         raise MegatronCoreError(
             "audit_rng_streams needs parallel_state: call initialize_model_parallel(...) first"
         )
-    if get_cuda_rng_tracker()._active is not None:
+    active = getattr(get_cuda_rng_tracker(), "_active", None)  # TE's tracker has none
+    if active is not None:
         raise MegatronCoreError(
-            f"audit_rng_streams called inside fork({get_cuda_rng_tracker()._active!r}); "
-            "call it outside any fork"
+            f"audit_rng_streams called inside fork({active!r}); call it outside any fork"
         )
     state = parallel_state.get_parallel_state()
     local = _draw_all(num_draws)
