@@ -333,6 +333,7 @@ def plot(results, path: Path) -> str:
 
 
 def main() -> None:
+    """Parse the command line, measure every layout, print and write the table (and plot)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--configs",

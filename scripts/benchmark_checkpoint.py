@@ -268,6 +268,7 @@ def rng_fork_table(device_name: str, iters: int, reps: int) -> str:
 
 
 def main() -> None:
+    """Parse the command line, time every checkpoint mode side by side, print and write."""
     from benchmark_activation_memory import run_on_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

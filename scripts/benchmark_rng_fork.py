@@ -53,6 +53,7 @@ def median_us(candidates: dict, iters: int, reps: int) -> dict[str, float]:
 
 
 def main() -> None:
+    """Parse the command line and print the fork microbenchmark table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--iters", type=int, default=20000, help="enter/exit pairs per repetition")

@@ -17,6 +17,7 @@ from megatron_core.training import initialize_distributed, parse_args, train
 
 
 def main() -> int:
+    """Parse arguments, start the process group and train; returns the exit status."""
     try:
         args = parse_args()
         initialize_distributed(args.device)

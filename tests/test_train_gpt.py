@@ -96,6 +96,14 @@ def test_recompute_options_are_checked_before_any_process():
         model_config(args)
 
 
+def test_sequence_parallel_on_one_tp_rank_is_switched_off_with_a_warning():
+    args = parse_args(_argv(tensor_model_parallel_size=1, sequence_parallel=True))
+    with pytest.warns(UserWarning, match="disabling sequence parallelism"):
+        config = model_config(args)
+    assert not config.sequence_parallel
+    assert model_config(parse_args(_argv(sequence_parallel=True))).sequence_parallel  # tp 2
+
+
 def test_learning_rate_warmup_then_cosine_to_min():
     args = parse_args(_argv(lr=1.0, min_lr=0.1, lr_warmup_iters=4, train_iters=14))
     assert [learning_rate(args, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]

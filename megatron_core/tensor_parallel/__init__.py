@@ -166,4 +166,3 @@ from megatron_core.tensor_parallel.memory import (  # noqa: E402
 
 __all__ += ["count_saved_activations", "SavedActivationReport"]
 # --- end section: memory.py ---
-

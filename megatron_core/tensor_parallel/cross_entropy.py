@@ -13,6 +13,12 @@ torch's: ``(1 - e) * (lse - (z_t - m)) + e * (lse - sum_j (z_j - m) / V)``, i.e.
 probability mass on every class, the target included. Its gradient is
 ``softmax_j - (1 - e) * [j == t] - e / V``, computed from this rank's slice only. Tokens whose
 target is ``ignore_index`` get loss 0 and gradient 0. All arithmetic is fp32.
+
+Difference from megatron-core: its label smoothing puts ``e / (V - 1)`` on every class except the
+target (it rescales ``e`` by ``V / (V - 1)``), so for ``label_smoothing > 0`` its loss is
+torch's minus ``e / (V - 1) * ((lse - (z_t - m)) - (lse - sum_j (z_j - m) / V))``. This function
+follows torch, as documented above; megatron-core has no ``ignore_index``. With
+``label_smoothing = 0`` the two agree.
 """
 
 from __future__ import annotations

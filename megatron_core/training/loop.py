@@ -97,11 +97,12 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
 
 def model_config(args: argparse.Namespace) -> TransformerConfig:
     """The TransformerConfig of ``args`` (validated). Weights are drawn full on the CPU, so a
-    run's starting point does not depend on the tensor-parallel size."""
+    run's starting point does not depend on the tensor-parallel size. ``--sequence-parallel``
+    with a tensor-parallel size of 1 is switched off with a warning (by ModelParallelConfig)."""
     return TransformerConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
+        sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=True,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
