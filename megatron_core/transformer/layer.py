@@ -8,11 +8,11 @@
    ("model-parallel-rng", distinct per TP rank): the attention probabilities (split by heads)
    and, under sequence parallelism, the hidden states themselves ([s/tp, b, h], each rank its
    own part of the sequence).
-3. Each dropout call forks on its own. megatron-core instead wraps the whole layer stack in one
-   fork under sequence parallelism; here a checkpoint would then snapshot the RNG inside that
-   fork and replay it in backward outside any fork, where the nested fork of the attention
-   dropout restarts the stream from its saved state and draws other masks than the forward.
-   Forking per call keeps every checkpoint's snapshot at fork depth 0, where it is replayed.
+3. Each dropout call forks on its own (megatron-core instead wraps the whole layer stack in one
+   fork under sequence parallelism). Both are correct under recompute: an RNG snapshot records
+   the active fork and a recompute replays at that fork depth (NOTE [ RNG streams ], rule 5;
+   tests/test_checkpointing.py checks a checkpoint taken inside a fork). Per-call forks keep the
+   stream each draw uses visible where the draw happens.
 """
 
 from __future__ import annotations
