@@ -503,3 +503,28 @@ def test_checkpoint_taken_inside_a_fork_replays_the_same_masks(seeded, use_reent
 
     for got, want in zip(step(True), step(False)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_recomputed_graph_is_freed_after_backward(seeded, use_reentrant):
+    # exp saves its own output for backward. A recompute hook that stored that output itself
+    # (not a detached alias) made a reference cycle inside autograd's C++ graph that Python's
+    # garbage collector cannot see: every backward leaked the recomputed graph.
+    import gc
+    import weakref
+
+    alive = []
+
+    def region(inp):
+        y = inp.exp()
+        alive.append(weakref.ref(y))
+        return y * 2
+
+    x = torch.randn(4, 6, requires_grad=True)
+    out = checkpoint(region, False, x, use_reentrant=use_reentrant)
+    out.sum().backward()
+    del out
+    gc.collect()
+    assert len(alive) == 2  # forward and recompute
+    assert [ref() is None for ref in alive] == [True, True]
+    torch.testing.assert_close(x.grad, 2 * x.exp(), rtol=0, atol=0)

@@ -111,7 +111,13 @@ class _Frame:
         return holder.value
 
     def pack_recompute(self, t: torch.Tensor) -> torch.Tensor:
-        """Recompute: check the tensor against the forward's and fill its holder."""
+        """Recompute: check the tensor against the forward's and fill its holder.
+
+        Returns a detached alias, never ``t`` itself: an op that saves its own output (softmax,
+        exp, ...) would otherwise hold that output, whose grad_fn is the op's node, in the node's
+        packed data, a C++ reference cycle the garbage collector cannot see that leaks the whole
+        recomputed graph and every activation it saved, once per backward.
+        """
         n = self.count
         self.count += 1
         if n >= len(self.fingerprints):
@@ -122,10 +128,11 @@ class _Frame:
         problem = expected.mismatch(Fingerprint.of(t, "", values=self.check))
         if problem is not None:
             raise determinism_error(f"{expected.name}: {problem}")
+        kept = t.detach()
         holder = self.holders[n]()
         if holder is not None:  # a dead holder: its node already ran and freed it
-            holder.value = t.detach() if t.requires_grad else t
-        return t
+            holder.value = kept if t.requires_grad else t
+        return kept
 
     def _recompute(self) -> None:
         """Rule 2: rebuild inputs, replay RNG/autocast, run with grad, restore RNG, check."""
