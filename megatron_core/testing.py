@@ -28,9 +28,12 @@ remote traceback; a call that runs past ``timeout`` raises :class:`DistributedTe
 
 How it works:
 
-1. Spawn, not fork: each rank is a ``multiprocessing`` "spawn" process (a fresh interpreter, safe
-   with threads and CUDA). Each task carries the caller's ``sys.path`` and working directory, so
-   functions from test modules imported after the workers started still unpickle.
+1. Never a fork of the caller: each rank comes from a "forkserver" that imported torch and
+   megatron_core once (a worker starts in milliseconds instead of seconds); where the platform has
+   no forkserver, or ``MEGATRON_CORE_TEST_START_METHOD=spawn``, it is a "spawn" process. Either
+   way it is a clean process, safe with threads and CUDA. Each task carries the caller's
+   ``sys.path`` and working directory, so functions from test modules imported after the workers
+   started still unpickle; modules that pytest assertion-rewrote are rewritten in the workers too.
 2. Rendezvous through a file: ``init_process_group("gloo", init_method="file://<fresh temp dir>")``
    with RANK / WORLD_SIZE / LOCAL_RANK set; no port is guessed.
 3. Warm pools: the workers of a world size stay alive and serve the next call (importing torch costs
