@@ -136,7 +136,6 @@ class ParallelState:
     virtual_pipeline_model_parallel_size: int | None = None
     virtual_pipeline_model_parallel_rank: int | None = None
     pipeline_model_parallel_split_rank: int | None = None
-    created: list[dist.ProcessGroup] = field(default_factory=list)
 
     def group(self, kind: str) -> dist.ProcessGroup:
         """This rank's process group of ``kind``."""
@@ -260,6 +259,30 @@ def initialize_model_parallel(
     _STATE = state
 
 
+# Process groups outlive the ParallelState that asked for them: (ranks, backend, timeout) -> group,
+# valid while the default (WORLD) group it was created under is alive. See _new_group.
+_GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
+_GROUP_CACHE_WORLD: list = [None]
+
+
+def _new_group(ranks: list[int], timeout: datetime.timedelta, backend: str | None = None):
+    """``dist.new_group`` with reuse: a later initialize with the same ranks gets the same group.
+
+    Like megatron-core, destroy_model_parallel drops the state but does not tear communicators
+    down; re-initializing then costs no new connections (creating and shutting down gloo pairs
+    over and over is slow and, on a loaded machine, was seen to fail in connectFullMesh). Every
+    rank calls this for every group in the same order, so every rank hits or misses alike.
+    """
+    world = dist.group.WORLD
+    if _GROUP_CACHE_WORLD[0] is not world:  # torch.distributed was re-initialized
+        _GROUP_CACHE.clear()
+        _GROUP_CACHE_WORLD[0] = world
+    key = (tuple(ranks), backend, timeout)
+    if key not in _GROUP_CACHE:
+        _GROUP_CACHE[key] = dist.new_group(ranks=list(ranks), timeout=timeout, backend=backend)
+    return _GROUP_CACHE[key]
+
+
 def _create_groups(
     state: ParallelState, layout: dict[str, list[list[int]]], timeout_minutes: int, gloo: bool
 ) -> None:
@@ -268,41 +291,31 @@ def _create_groups(
     Kinds whose rank lists coincide (e.g. "dp" and "dp-cp" when cp == 1) share one ProcessGroup.
     """
     timeout = datetime.timedelta(minutes=timeout_minutes)
-    by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for kind, groups in layout.items():
         for ranks in groups:
-            key = tuple(ranks)
-            if key not in by_ranks:
-                by_ranks[key] = dist.new_group(ranks=list(ranks), timeout=timeout)
-                state.created.append(by_ranks[key])
+            pg = _new_group(ranks, timeout)
             if state.global_rank in ranks:
                 state.ranks[kind] = list(ranks)
-                state.groups[kind] = by_ranks[key]
+                state.groups[kind] = pg
     if not gloo:
         return
-    already_gloo = dist.get_backend() == "gloo"
+    backend = None if dist.get_backend() == "gloo" else "gloo"  # reuse the groups on gloo
     for kind in ("dp", "dp-cp"):
         for ranks in layout[kind]:
-            if already_gloo:
-                pg = by_ranks[tuple(ranks)]
-            else:
-                pg = dist.new_group(ranks=list(ranks), timeout=timeout, backend="gloo")
-                state.created.append(pg)
+            pg = _new_group(ranks, timeout, backend)
             if state.global_rank in ranks:
                 state.gloo_groups[kind] = pg
 
 
 def destroy_model_parallel() -> None:
-    """Destroy every group initialize_model_parallel created and drop the state (idempotent)."""
+    """Drop the model-parallel state (idempotent); getters raise again until re-initialized.
+
+    As in megatron-core, the process groups themselves are not destroyed: a later
+    initialize_model_parallel with the same layout reuses them, and
+    ``torch.distributed.destroy_process_group()`` releases everything.
+    """
     global _STATE
-    state, _STATE = _STATE, None
-    if state is None or not dist.is_initialized():
-        return
-    for pg in state.created:
-        try:
-            dist.destroy_process_group(pg)
-        except (ValueError, RuntimeError):
-            pass  # a group this rank is not a member of has nothing to destroy
+    _STATE = None
 
 
 # Getters with megatron-core's names live in a sibling module to keep this one short; they are

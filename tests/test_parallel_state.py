@@ -286,3 +286,24 @@ def test_unchecked_tensor_group_is_none_before_initialize():
     assert ps.get_tensor_model_parallel_group(check_initialized=False) is None
     with pytest.raises(MegatronCoreError, match="not initialized"):
         ps.get_tensor_model_parallel_group()
+
+
+def _body_reinitialize_reuses_groups():
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    tp_first = ps.get_tensor_model_parallel_group()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    tp_again = ps.get_tensor_model_parallel_group()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)  # another layout: other groups
+    tp_other = ps.get_tensor_model_parallel_group()
+    x = torch.ones(1)
+    dist.all_reduce(x, group=tp_again)  # the reused group still communicates
+    return tp_again is tp_first, tp_other is tp_first, int(x.item())
+
+
+def test_reinitialize_after_destroy_reuses_the_same_groups():
+    # destroy_model_parallel drops the state but keeps the communicators (as megatron-core does);
+    # the same layout gets the same ProcessGroup objects back instead of new gloo connections.
+    for same, other, total in run_distributed(_body_reinitialize_reuses_groups, 4):
+        assert (same, other, total) == (True, False, 2)
