@@ -4,10 +4,19 @@ Every bad value that megatron_core detects raises :class:`MegatronCoreError` (or
 message that starts with what failed and names the offending values, e.g.
 ``tensor_model_parallel_size (3) must divide world size (4)``. Checks run before any collective, so
 every rank raises the same error instead of one rank hanging in a collective.
+
+megatron-core reports most bad input with ``assert`` statements, and code written against it catches
+``AssertionError``. :class:`MegatronCoreError` is therefore both a ``RuntimeError`` and an
+``AssertionError``: ``except AssertionError`` written for megatron-core still catches it, and unlike
+a bare ``assert`` the check still runs under ``python -O``.
 """
 
 __all__ = ["MegatronCoreError"]
 
 
-class MegatronCoreError(RuntimeError):
-    """Raised for invalid arguments or misuse of megatron_core (the message names the values)."""
+class MegatronCoreError(RuntimeError, AssertionError):
+    """Raised for invalid arguments or misuse of megatron_core (the message names the values).
+
+    A subclass of both ``RuntimeError`` and ``AssertionError`` so that handlers written for
+    megatron-core's ``assert``-based checks keep working (see the module docstring).
+    """
