@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import _collectives as C
+from megatron_core.tensor_parallel.amp import custom_bwd, custom_fwd
 from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 try:  # apex's fused weight-gradient GEMMs; optional (DESIGN.md, apex rule)
@@ -86,6 +87,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """
 
     @staticmethod
+    @custom_fwd  # NOTE [ Autocast in autograd functions ] (amp.py)
     def forward(
         ctx,
         input,
@@ -110,12 +112,12 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             total_input = gather_from_sequence_parallel_region(input, group=tp_group)
         else:
             total_input = input
-        output = torch.matmul(total_input, weight.t())
-        if bias is not None:
-            output = output + bias
-        return output
+        # F.linear, not matmul + add: under autocast it casts the bias too, so the output has
+        # nn.Linear's dtype (an fp32 bias added to a bf16 product would promote it to fp32).
+        return torch.nn.functional.linear(total_input, weight, bias)
 
     @staticmethod
+    @custom_bwd
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
         group = ctx.tp_group
