@@ -386,9 +386,37 @@ def test_input_changed_in_place_before_backward_is_refused(seeded, use_reentrant
     h = torch.randn(4, requires_grad=True) * 1.0
     out = checkpoint(torch.sin, False, h, use_reentrant=use_reentrant)
     h.add_(1.0)
-    # reentrant: autograd's own saved-tensor check; non-reentrant: the checkpoint's (rule 1).
-    with pytest.raises(RuntimeError, match="modified (by an inplace operation|in place)"):
+    # reentrant: autograd's own saved-tensor check; non-reentrant: the checkpoint's (rule 1),
+    # whose message names the fix.
+    fix = "modified by an inplace operation" if use_reentrant else "modified in place.*Pass a clone"
+    with pytest.raises(RuntimeError, match=fix):
         out.sum().backward()
+
+
+def test_misuse_raises_or_warns_as_torch_does(seeded):
+    # Reentrant, no input requires grad: torch warns (the parameters get no gradient).
+    lin = nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True.*"
+                      "use_reentrant=False"):  # fmt: skip
+        out = checkpoint(lin, False, torch.randn(2, 4))
+    assert not out.requires_grad
+    # ... the non-reentrant mode has no such gap: the parameters get their gradient.
+    checkpoint(lin, False, torch.randn(2, 4), use_reentrant=False).sum().backward()
+    assert lin.weight.grad is not None
+    # Reentrant, the recomputed outputs need no grad: torch raises; so do we, naming the fix.
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(lambda t: t.detach() * 2 if torch.is_grad_enabled() else t * 2, False, x)
+    with pytest.raises(MegatronCoreError, match="none of the recomputed outputs requires grad.*"
+                       "call the function without checkpoint"):  # fmt: skip
+        out.sum().backward()
+    # Reentrant + torch.autograd.grad: refused, the message names use_reentrant=False.
+    out = checkpoint(torch.sin, False, x)
+    with pytest.raises(MegatronCoreError, match=r"call \.backward\(\), or use checkpoint\(\.\.\., "
+                       "use_reentrant=False"):  # fmt: skip
+        torch.autograd.grad(out.sum(), x)
+    # Options of the non-reentrant mode are refused by the reentrant one, before anything runs.
+    with pytest.raises(MegatronCoreError, match="context_fn and debug=True need use_reentrant"):
+        checkpoint(torch.sin, False, x, debug=True)
 
 
 def _act(h):
