@@ -150,6 +150,8 @@ from megatron_core.tensor_parallel.checkpointing import (  # noqa: E402
     capture_saved_inputs,
     checkpoint,
     checkpoint_layer_stack,
+    is_checkpointing,
+    set_checkpoint_early_stop,
 )
 
 __all__ += [
@@ -159,6 +161,8 @@ __all__ += [
     "RecomputeMethod",
     "checkpoint_layer_stack",
     "capture_saved_inputs",
+    "is_checkpointing",
+    "set_checkpoint_early_stop",
 ]
 # --- end section: checkpointing.py ---
 
