@@ -711,3 +711,60 @@ def test_debug_reports_a_recompute_that_saves_more(seeded):
     extra["on"] = True
     with pytest.raises(MegatronCoreError, match=r"(?s)first differing op is #1 .*aten\.cos"):
         out.sum().backward()
+
+
+# --- selective checkpointing through torch's context_fn (issue 12, point 4) -------------------
+
+
+def _sac_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    return create_selective_checkpoint_contexts([aten.mm.default, aten.addmm.default])
+
+
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def _body_selective() -> list[str]:
+    layers, inputs, mask = _setup()
+    snapshot = get_rng_snapshot()
+
+    def step(run):
+        set_rng_snapshot(snapshot)
+        layers.zero_grad(set_to_none=True)
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = run(layers, *leaves, mask)
+        with _CountMatmuls() as count:
+            (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        grads = [t.grad for t in leaves] + [p.grad for p in layers.parameters()]
+        return [out.detach(), *grads, torch.rand(3)], count.n
+
+    want, plain_matmuls = step(_plain)
+    problems = []
+    for split in (False, True):
+        for early_stop in (True, False):
+            kw = {"use_reentrant": False, "context_fn": _sac_context, "early_stop": early_stop}
+            got, matmuls = step(_each(split, **kw))
+            name = f"selective, distributed={split}, early_stop={early_stop}"
+            if not all(torch.equal(a, b) for a, b in zip(want, got)):
+                problems.append(f"{name}: differs from the plain stack")
+            if matmuls != plain_matmuls:  # the policy saves every matmul: none is recomputed
+                problems.append(f"{name}: {matmuls} matmuls in backward, plain {plain_matmuls}")
+    _, matmuls = step(_each(True, use_reentrant=False, early_stop=False))
+    if matmuls <= plain_matmuls:
+        problems.append("the control (no policy) recomputed no matmul: the count is broken")
+    return problems
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_selective_checkpoint_context_fn(world_size):
+    for rank, problems in enumerate(run_distributed(_body_selective, world_size, timeout=240)):
+        assert problems == [], f"rank {rank}: {problems}"
