@@ -386,9 +386,37 @@ def test_input_changed_in_place_before_backward_is_refused(seeded, use_reentrant
     h = torch.randn(4, requires_grad=True) * 1.0
     out = checkpoint(torch.sin, False, h, use_reentrant=use_reentrant)
     h.add_(1.0)
-    # reentrant: autograd's own saved-tensor check; non-reentrant: the checkpoint's (rule 1).
-    with pytest.raises(RuntimeError, match="modified (by an inplace operation|in place)"):
+    # reentrant: autograd's own saved-tensor check; non-reentrant: the checkpoint's (rule 1),
+    # whose message names the fix.
+    fix = "modified by an inplace operation" if use_reentrant else "modified in place.*Pass a clone"
+    with pytest.raises(RuntimeError, match=fix):
         out.sum().backward()
+
+
+def test_misuse_raises_or_warns_as_torch_does(seeded):
+    # Reentrant, no input requires grad: torch warns (the parameters get no gradient).
+    lin = nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True.*"
+                      "use_reentrant=False"):  # fmt: skip
+        out = checkpoint(lin, False, torch.randn(2, 4))
+    assert not out.requires_grad
+    # ... the non-reentrant mode has no such gap: the parameters get their gradient.
+    checkpoint(lin, False, torch.randn(2, 4), use_reentrant=False).sum().backward()
+    assert lin.weight.grad is not None
+    # Reentrant, the recomputed outputs need no grad: torch raises; so do we, naming the fix.
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(lambda t: t.detach() * 2 if torch.is_grad_enabled() else t * 2, False, x)
+    with pytest.raises(MegatronCoreError, match="none of the recomputed outputs requires grad.*"
+                       "call the function without checkpoint"):  # fmt: skip
+        out.sum().backward()
+    # Reentrant + torch.autograd.grad: refused, the message names use_reentrant=False.
+    out = checkpoint(torch.sin, False, x)
+    with pytest.raises(MegatronCoreError, match=r"call \.backward\(\), or use checkpoint\(\.\.\., "
+                       "use_reentrant=False"):  # fmt: skip
+        torch.autograd.grad(out.sum(), x)
+    # Options of the non-reentrant mode are refused by the reentrant one, before anything runs.
+    with pytest.raises(MegatronCoreError, match="context_fn and debug=True need use_reentrant"):
+        checkpoint(torch.sin, False, x, debug=True)
 
 
 def _act(h):
@@ -518,7 +546,7 @@ def test_recomputed_graph_is_freed_after_backward(seeded, use_reentrant):
     def region(inp):
         y = inp.exp()
         alive.append(weakref.ref(y))
-        return y * 2
+        return y * y  # saves y after the append: an early-stopped recompute still reaches it
 
     x = torch.randn(4, 6, requires_grad=True)
     out = checkpoint(region, False, x, use_reentrant=use_reentrant)
@@ -527,4 +555,96 @@ def test_recomputed_graph_is_freed_after_backward(seeded, use_reentrant):
     gc.collect()
     assert len(alive) == 2  # forward and recompute
     assert [ref() is None for ref in alive] == [True, True]
-    torch.testing.assert_close(x.grad, 2 * x.exp(), rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, 2 * x.exp() * x.exp(), rtol=0, atol=0)
+
+
+# --- torch.autograd.grad inside a non-reentrant region (issue 12, point 1) ---------------------
+
+
+def _sin_exp(t):
+    return t.sin().exp()
+
+
+def _grad_region(distribute, nested):
+    """A region that differentiates inside itself (a gradient penalty), with dropout in and
+    outside the tracker fork; ``nested``: the differentiated part is its own checkpoint."""
+
+    def region(x, w):
+        h = F.dropout(x @ w, P)  # default stream: equal on every TP rank, may be distributed
+        if nested:
+            h = checkpoint(_sin_exp, distribute, h, use_reentrant=False)
+        else:
+            h = _sin_exp(h)
+        (g,) = torch.autograd.grad(h.sum(), x, create_graph=True)
+        with get_cuda_rng_tracker().fork():
+            g = F.dropout(g, P)
+        return g * h
+
+    return region
+
+
+def _body_grad_inside() -> list[str]:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    model_parallel_cuda_manual_seed(SEED)
+    x0, w0 = torch.randn(SHAPE), torch.randn(SHAPE[-1], SHAPE[-1]) / 2
+    snapshot = get_rng_snapshot()
+
+    def step(run):
+        set_rng_snapshot(snapshot)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = run(x, w)
+        out.sum().backward()
+        return [out.detach(), x.grad, w.grad, torch.rand(3)]
+
+    problems = []
+    for distribute in (False, True):
+        for nested in (False, True):
+            region = _grad_region(distribute, nested)
+            want = step(region)
+            got = step(
+                lambda x, w, f=region, d=distribute: checkpoint(f, d, x, w, use_reentrant=False)
+            )
+            if not all(torch.equal(a, b) for a, b in zip(want, got)):
+                problems.append(f"distribute={distribute}, nested={nested}: differs from plain")
+    return problems
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_autograd_grad_inside_a_region(world_size):
+    for rank, problems in enumerate(run_distributed(_body_grad_inside, world_size, timeout=240)):
+        assert problems == [], f"rank {rank}: {problems}"
+
+
+def test_autograd_grad_inside_matches_torch(seeded):
+    # The issue's example and torch's nested form c(grad(sum(c(hc)))), against
+    # torch.utils.checkpoint (no tracker streams here, so torch replays everything too).
+    import torch.utils.checkpoint as tc
+
+    def penalty(ckpt):
+        def fn(x):
+            y = x.sin().exp()
+            (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+            return g
+
+        return fn
+
+    def nested(ckpt):
+        def fn(x):
+            y = ckpt(lambda t: F.dropout(t.cos(), P), x)
+            (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+            return ckpt(torch.sin, g) * y
+
+        return fn
+
+    ours = lambda f, *a: checkpoint(f, False, *a, use_reentrant=False)  # noqa: E731
+    theirs = lambda f, *a: tc.checkpoint(f, *a, use_reentrant=False)  # noqa: E731
+    for make in (penalty, nested):
+        results = []
+        for ckpt in (ours, theirs):
+            set_rng_snapshot(seeded)
+            x = torch.randn(3, 4, requires_grad=True)
+            out = ckpt(make(ckpt), x)
+            out.sum().backward()
+            results.append((out.detach(), x.grad))
+        assert torch.equal(results[0][0], results[1][0]), make.__name__
+        assert torch.equal(results[0][1], results[1][1]), make.__name__
