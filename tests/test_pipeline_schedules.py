@@ -28,7 +28,7 @@ from megatron_core.pipeline_parallel import (
     get_forward_backward_func,
     interleaved_warmup_microbatches,
 )
-from megatron_core.testing import NO_REUSE_ENV, DistributedTestError, run_distributed
+from megatron_core.testing import NO_REUSE_ENV, run_distributed
 
 LAYERS, HIDDEN, SEQ, BATCH = 8, 6, 3, 2
 EVENTS: list = []  # per-process record of schedule events (the schedule-order test)
