@@ -5,6 +5,8 @@ the CPU the recompute runs the same kernels on the same values with the same RNG
 difference, even in the last bit, is a bug (wrong dropout mask, wrong gather, lost padding).
 """
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -648,3 +650,64 @@ def test_autograd_grad_inside_matches_torch(seeded):
             results.append((out.detach(), x.grad))
         assert torch.equal(results[0][0], results[1][0]), make.__name__
         assert torch.equal(results[0][1], results[1][1]), make.__name__
+
+
+# --- debug=True (issue 12, point 5) ------------------------------------------------------------
+
+
+def test_debug_shows_the_first_differing_op(seeded):
+    rows = {"n": 2}  # state read by the region that changes between forward and backward
+
+    def region(x):
+        h = F.dropout(x * 3, P)
+        return h[: rows["n"]].exp()
+
+    x = torch.randn(4, 5, requires_grad=True)
+    set_rng_snapshot(seeded)  # debug changes nothing when the recompute agrees
+    want = F.dropout(x * 3, P)[:2].exp()
+    want.sum().backward()
+    want_grad, x.grad = x.grad, None
+    set_rng_snapshot(seeded)
+    out = checkpoint(region, False, x, use_reentrant=False, debug=True)
+    out.sum().backward()
+    assert torch.equal(out, want) and torch.equal(x.grad, want_grad)
+
+    out = checkpoint(region, False, x, use_reentrant=False, debug=True)
+    rows["n"] = 3
+    with pytest.raises(MegatronCoreError) as e:
+        out.sum().backward()
+    message = str(e.value)
+    assert "saved tensor #1: forward had torch.float32 [2, 5], recompute torch.float32 [3, 5]" in (
+        message
+    )
+    # The forward and recompute logs part at the slice, shown with the shapes on each side.
+    first = re.search(r"first differing op is #(\d+)", message)
+    assert first is not None, message
+    n = first.group(1)
+    assert re.search(rf"forward:\n(.*\n)*    #{n} aten\.slice\.Tensor -> float32\[2, 5\]", message)
+    assert re.search(
+        rf"recompute:\n(.*\n)*    #{n} aten\.slice\.Tensor -> float32\[3, 5\]", message
+    )
+    # Without debug the error names the tensor but shows no op log.
+    rows["n"] = 2
+    out = checkpoint(region, False, x, use_reentrant=False)
+    rows["n"] = 3
+    with pytest.raises(MegatronCoreError, match="saved tensor #1") as e:
+        out.sum().backward()
+    assert "first differing op" not in str(e.value)
+
+
+def test_debug_reports_a_recompute_that_saves_more(seeded):
+    extra = {"on": False}
+
+    def region(x):
+        h = x.sin()
+        if extra["on"]:
+            h = h.cos()
+        return h * x
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(region, False, x, use_reentrant=False, debug=True, early_stop=False)
+    extra["on"] = True
+    with pytest.raises(MegatronCoreError, match=r"(?s)first differing op is #1 .*aten\.cos"):
+        out.sum().backward()
