@@ -20,6 +20,7 @@ from megatron_core.tensor_parallel import (
     capture_saved_inputs,
     checkpoint,
     checkpoint_layer_stack,
+    checkpoint_sequential,
     copy_to_tensor_model_parallel_region,
     get_cuda_rng_tracker,
     get_rng_snapshot,
@@ -139,6 +140,18 @@ def _stack(method, n, **kw):
     return run
 
 
+def _sequential(segments, split, **kw):
+    """checkpoint_sequential over the layers (torch's API), extra inputs closed over."""
+
+    def run(layers, x, extra, scale, mask):
+        fns = [lambda h, layer=layer: layer(h, extra, scale, mask, P) for layer in layers]
+        return checkpoint_sequential(
+            fns, segments, x, use_reentrant=False, distribute_saved_activations=split, **kw
+        )
+
+    return run
+
+
 MODES = {
     "reentrant": _each(False),
     "reentrant, distributed": _each(True),
@@ -160,6 +173,10 @@ MODES = {
     # rounding only, so the reentrant uniform stack is compared in test_layer_stack_methods.
     "layer stack, uniform 2, non-reentrant": _stack("uniform", 2, use_reentrant=False),
     "layer stack, block 2": _stack("block", 2),
+    "checkpoint_sequential 2, distributed": _sequential(2, True),
+    "checkpoint_sequential 3, offloaded + distributed all": _sequential(
+        3, True, offload_to_cpu=True, distribute="all"
+    ),
 }
 
 
@@ -768,3 +785,35 @@ def _body_selective() -> list[str]:
 def test_selective_checkpoint_context_fn(world_size):
     for rank, problems in enumerate(run_distributed(_body_selective, world_size, timeout=240)):
         assert problems == [], f"rank {rank}: {problems}"
+
+
+# --- checkpoint_sequential (issue 12, point 6) -------------------------------------------------
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_sequential_matches_torch(seeded, use_reentrant):
+    import torch.utils.checkpoint as tc
+
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(6, 6), nn.Dropout(P))])
+    x0 = torch.randn(4, 6)
+    results = []
+    for run in (checkpoint_sequential, tc.checkpoint_sequential, None):
+        set_rng_snapshot(seeded)
+        model.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        out = model(x) if run is None else run(model, 4, x, use_reentrant=use_reentrant)
+        out.sum().backward()
+        results.append([out, x.grad, *[p.grad for p in model.parameters()], torch.rand(2)])
+    for name, got in (("torch", results[1]), ("plain", results[2])):
+        assert all(torch.equal(a, b) for a, b in zip(results[0], got)), name
+
+
+def test_checkpoint_sequential_bad_segments(seeded):
+    fns = [torch.sin, torch.cos]
+    x = torch.randn(3, requires_grad=True)
+    for bad in (0, 3):
+        with pytest.raises(MegatronCoreError, match=rf"segments \({bad}\) must be between 1 and"):
+            checkpoint_sequential(fns, bad, x, use_reentrant=False)
+    with pytest.warns(UserWarning, match="pass use_reentrant explicitly"):
+        out = checkpoint_sequential(fns, 2, x)
+    assert torch.equal(out, x.sin().cos())
