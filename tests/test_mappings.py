@@ -131,7 +131,7 @@ def _check_all_to_all(r, w, dtype, close):
         fn = partial(
             tp_api.all_to_all,
             group,
-            output_split_sizes=back[r],
+            output_split_sizes_=back[r],
             input_split_sizes=counts[r],
         )
         y, gx = _run(lambda x, fn=fn: fn(x), data[r], grads[r])
@@ -142,6 +142,23 @@ def _check_all_to_all(r, w, dtype, close):
     y, gx = _run(lambda x: tp_api.all_to_all(group, x), data[r], data[r] * 2)
     close(y, _a2a_expected(data, [[2] * w] * w, r))
     close(gx, _a2a_expected(data, [[2] * w] * w, r) * 2)
+    _check_sp2hp_hp2sp(r, w, dtype, close)
+
+
+def _check_sp2hp_hp2sp(r, w, dtype, close):
+    """[tokens/tp, H] <-> [tokens, H/tp]: the full [tokens, H] matrix split the other way."""
+    tokens, hidden = 2 * w, 4 * w
+    full, grad = _full(40, (tokens, hidden), dtype), _full(41, (tokens, hidden), dtype)
+    seq = lambda a: a.chunk(w, dim=0)[r]  # noqa: E731
+    hid = lambda a: a.chunk(w, dim=-1)[r]  # noqa: E731
+    # A 3-D [s/tp, b, H] input is flattened into tokens, as megatron-core does.
+    x3 = seq(full).reshape(2, 1, hidden)
+    y, gx = _run(lambda x: tp_api.all_to_all_sp2hp(x), x3, hid(grad))
+    close(y, hid(full))
+    close(gx, seq(grad).reshape(2, 1, hidden))
+    y, gx = _run(lambda x: tp_api.all_to_all_hp2sp(x), hid(full), seq(grad))
+    close(y, seq(full))
+    close(gx, hid(grad))
 
 
 def _check_errors(w):
@@ -170,7 +187,10 @@ def _check_tp1_is_noop():
     for name in tp_api.mappings.__all__:
         fn = getattr(tp_api, name)
         y = fn(ps.get_tensor_model_parallel_group(), x) if name == "all_to_all" else fn(x)
-        assert y is x, name
+        if name in ("all_to_all_sp2hp", "all_to_all_hp2sp"):  # these flatten to [tokens, H]
+            torch.testing.assert_close(y, x.reshape(-1, x.shape[-1]), rtol=0, atol=0)
+        else:
+            assert y is x, name
 
 
 def _body(tp_sizes, dtype_name):
@@ -205,6 +225,42 @@ def _body(tp_sizes, dtype_name):
 def test_regions_forward_and_backward(world_size, dtype_name):
     results = run_distributed(_body, world_size, CONFIGS[world_size], dtype_name, timeout=120)
     assert results == [True] * world_size
+
+
+def _half_sums(dtype_name):
+    """Sums of half-precision values are exactly rounded and equal in every element.
+
+    See NOTE [ Half-precision sums ] in _collectives.py: every rank contributes 1 + r * 2**-7
+    (exact in bf16 and fp16); the exact fp32 sum rounded once to the dtype is the only right
+    answer, so the comparison has zero tolerance.
+    """
+    dtype = getattr(torch, dtype_name)
+    ps.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    r, w = dist.get_rank(), dist.get_world_size()
+    x = torch.full((8, 4), 1.0 + r * 2**-7, dtype=dtype)
+    x[0] = 256.0 if r == 0 else 0.5
+    expected_row = torch.full((4,), sum(1.0 + i * 2**-7 for i in range(w)))
+    expected = expected_row.expand(8, 4).clone()
+    expected[0] = 256.0 + 0.5 * (w - 1)
+    expected = expected.to(dtype)
+    exact = dict(rtol=0, atol=0)
+    torch.testing.assert_close(
+        tp_api.reduce_from_tensor_model_parallel_region(x), expected, **exact
+    )
+    rs = tp_api.reduce_scatter_to_sequence_parallel_region(x)
+    torch.testing.assert_close(rs, expected.chunk(w, dim=0)[r], **exact)
+    uneven = [8 - (w - 1)] + [1] * (w - 1)
+    rs = tp_api.reduce_scatter_to_sequence_parallel_region(x, input_split_sizes=uneven)
+    torch.testing.assert_close(rs, expected.split(uneven, dim=0)[r], **exact)
+    rs = tp_api.reduce_scatter_last_dim_to_tensor_parallel_region(x.t().contiguous())
+    torch.testing.assert_close(rs, expected.t().chunk(w, dim=-1)[r], **exact)
+    return True
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_half_precision_sums_are_exactly_rounded(world_size, dtype_name):
+    assert run_distributed(_half_sums, world_size, dtype_name, timeout=120) == [True] * world_size
 
 
 def test_default_group_needs_parallel_state():

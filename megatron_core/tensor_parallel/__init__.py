@@ -31,6 +31,8 @@ __all__ += ["split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor"]
 from megatron_core.tensor_parallel.mappings import (  # noqa: E402
     all_gather_last_dim_from_tensor_parallel_region,
     all_to_all,
+    all_to_all_hp2sp,
+    all_to_all_sp2hp,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -52,6 +54,8 @@ __all__ += [
     "all_gather_last_dim_from_tensor_parallel_region",
     "reduce_scatter_last_dim_to_tensor_parallel_region",
     "all_to_all",
+    "all_to_all_sp2hp",
+    "all_to_all_hp2sp",
 ]
 # --- end section: mappings.py ---
 
@@ -146,6 +150,9 @@ from megatron_core.tensor_parallel.checkpointing import (  # noqa: E402
     capture_saved_inputs,
     checkpoint,
     checkpoint_layer_stack,
+    checkpoint_sequential,
+    is_checkpointing,
+    set_checkpoint_early_stop,
 )
 
 __all__ += [
@@ -154,7 +161,10 @@ __all__ += [
     "Distribute",
     "RecomputeMethod",
     "checkpoint_layer_stack",
+    "checkpoint_sequential",
     "capture_saved_inputs",
+    "is_checkpointing",
+    "set_checkpoint_early_stop",
 ]
 # --- end section: checkpointing.py ---
 

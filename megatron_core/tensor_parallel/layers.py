@@ -349,9 +349,10 @@ class RowParallelLinear(_ParallelLinearBase):
             )
         else:
             output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
-        if self.skip_bias_add:
+        if self.skip_bias_add or self.bias is None:
             return output, self.bias
-        return (output if self.bias is None else output + self.bias), None
+        # Under autocast the bias joins in the output's dtype, as nn.Linear's would (amp.py).
+        return output + self.bias.to(output.dtype), None
 
 
 class VocabParallelEmbedding(torch.nn.Module):

@@ -11,13 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_core import parallel_state
+from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.mappings import (
-    _all_gather_single,
-    _reduce_scatter_single,
-    gather_from_sequence_parallel_region,
-)
+from megatron_core.tensor_parallel import _collectives as C
+from megatron_core.tensor_parallel.amp import custom_bwd, custom_fwd
+from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 try:  # apex's fused weight-gradient GEMMs; optional (DESIGN.md, apex rule)
     import fused_weight_gradient_mlp_cuda as _apex_wgrad
@@ -52,20 +50,7 @@ __all__ = [
 #    backward returns: no collective outlives the call.
 # 6. On CUDA the overlap needs CUDA_DEVICE_MAX_CONNECTIONS=1 so that the collective is queued
 #    before the matmul that should hide it (megatron-core's advice); results do not depend on it.
-
-
-def _all_gather_dim0_async(shard: torch.Tensor, group) -> tuple[torch.Tensor, dist.Work]:
-    shard = shard.contiguous()
-    world_size = dist.get_world_size(group)
-    full = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
-    return full, _all_gather_single(full, shard, group=group, async_op=True)
-
-
-def _reduce_scatter_dim0_async(full: torch.Tensor, group) -> tuple[torch.Tensor, dist.Work]:
-    full = full.contiguous()
-    world_size = dist.get_world_size(group)
-    shard = full.new_empty((full.shape[0] // world_size, *full.shape[1:]))
-    return shard, _reduce_scatter_single(shard, full, group=group, async_op=True)
+#    Without it the function warns once (device.warn_if_overlap_is_serialized).
 
 
 def _weight_grad(grad_output, total_input, weight, accumulate_into_main_grad: bool):
@@ -103,6 +88,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """
 
     @staticmethod
+    @custom_fwd  # NOTE [ Autocast in autograd functions ] (amp.py)
     def forward(
         ctx,
         input,
@@ -127,29 +113,29 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             total_input = gather_from_sequence_parallel_region(input, group=tp_group)
         else:
             total_input = input
-        output = torch.matmul(total_input, weight.t())
-        if bias is not None:
-            output = output + bias
-        return output
+        # F.linear, not matmul + add: under autocast it casts the bias too, so the output has
+        # nn.Linear's dtype (an fp32 bias added to a bf16 product would promote it to fp32).
+        return torch.nn.functional.linear(total_input, weight, bias)
 
     @staticmethod
+    @custom_bwd
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
         group = ctx.tp_group
         wgrad_now = ctx.needs_input_grad[1] and not _defer_wgrad(
             ctx.grad_output_buffer, ctx.wgrad_deferral_limit, grad_output
         )
-        total_input, gather = input, None
+        total_input = input
         if ctx.sequence_parallel and wgrad_now:
-            total_input, gather = _all_gather_dim0_async(input, group)  # rule 2
+            gather = C.all_gather_first_dim_async(input, group)  # rule 2
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
-        if gather is not None:
-            gather.wait()
-        handle = None
+        if ctx.sequence_parallel and wgrad_now:
+            total_input = gather.wait()
+        pending = None
         if grad_input is not None and ctx.sequence_parallel:
-            grad_input, handle = _reduce_scatter_dim0_async(grad_input, group)
+            pending = C.reduce_scatter_first_dim_async(grad_input, group)
         elif grad_input is not None and ctx.allreduce_dgrad:
-            handle = dist.all_reduce(grad_input, group=group, async_op=True)  # rule 3
+            pending = C.all_reduce_async(grad_input, group)  # rule 3
         grad_weight = None
         if wgrad_now:
             grad_weight = _weight_grad(
@@ -158,8 +144,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_bias = None
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
-        if handle is not None:
-            handle.wait()
+        if pending is not None:
+            grad_input = pending.wait()
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
@@ -241,6 +227,10 @@ def linear_with_grad_accumulation_and_async_allreduce(
     _check_arguments(
         input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel
     )
+    if sequence_parallel:  # NOTE [ Overlapped linear backward ], rule 6
+        device.warn_if_overlap_is_serialized(input, "sequence parallelism")
+    elif allreduce_dgrad:
+        device.warn_if_overlap_is_serialized(input, "async tensor-model-parallel all-reduce")
     if tp_group is None and (allreduce_dgrad or sequence_parallel):
         tp_group = parallel_state.get_tensor_model_parallel_group()
     return LinearWithGradAccumulationAndAsyncCommunication.apply(

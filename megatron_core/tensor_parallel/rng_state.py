@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.mappings import _all_gather_single
+from megatron_core.tensor_parallel._collectives import _all_gather_single
 from megatron_core.tensor_parallel.random import (
     _DATA_PARALLEL_RNG_TRACKER_NAME,
     _EXPERT_PARALLEL_RNG_TRACKER_NAME,

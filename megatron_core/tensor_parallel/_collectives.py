@@ -1,0 +1,234 @@
+"""The collectives of tensor and sequence parallelism, without autograd (private).
+
+The one place in tensor_parallel that calls torch.distributed's data collectives: the region
+functions of ``mappings.py`` and the overlapped backward of ``linear_impl.py`` call only these.
+Every function returns a fresh tensor and leaves its input untouched.
+
+# NOTE [ Fresh contiguous buffers ]
+1. Every collective reads a contiguous tensor and writes a buffer this module just allocated.
+   gloo ignores the layout of a non-contiguous tensor, so its ``.contiguous()`` copy is what gets
+   reduced; reducing that copy in place and returning the original (megatron-core's ``_reduce``)
+   loses the result, e.g. for the expanded ones-gradient that ``out.sum().backward()`` produces.
+2. Nothing is reduced in place into a tensor this module does not own: a forward input may be used
+   elsewhere, and autograd may hand the same gradient tensor to several consumers. The price is one
+   extra activation-sized buffer per all-reduce.
+
+# NOTE [ Half-precision sums ]
+1. gloo adds bf16 (and fp16) tensors in their own precision, rounding after every partial sum and
+   in an order that differs between elements: four equal bf16 inputs 1 + 3 * 2**-7 summed to
+   4.03125 in one element and 4.0625 in the next. Sums over a gloo group therefore upcast half
+   precision to fp32, reduce, and round once back to the input dtype: the result is the exactly
+   rounded sum of (up to 2**8) addends, the same in every element and on every rank.
+2. Other backends (NCCL) reduce half precision natively, as megatron-core relies on; the upcast
+   would double the bytes sent.
+3. Gathers, scatters and all-to-all move values without arithmetic and never upcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state
+from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.utils import split_tensor_along_last_dim
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_HALF = (torch.float16, torch.bfloat16)
+_UPCAST_SUM_BACKENDS = ("gloo",)  # see NOTE [ Half-precision sums ], rule 1
+
+
+def default_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """``group``, or parallel_state's tensor-model-parallel group when it is None."""
+    return parallel_state.get_tensor_model_parallel_group() if group is None else group
+
+
+def size_rank(group: dist.ProcessGroup) -> tuple[int, int]:
+    """(size, rank of this process) of ``group``; raises if this process is not a member."""
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise MegatronCoreError(f"global rank {dist.get_rank()} is not a member of group {group}")
+    return dist.get_world_size(group), rank
+
+
+def _sum_dtype(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.dtype:
+    """The dtype a sum over ``group`` runs in (NOTE [ Half-precision sums ])."""
+    if tensor.dtype in _HALF and dist.get_backend(group) in _UPCAST_SUM_BACKENDS:
+        return torch.float32
+    return tensor.dtype
+
+
+class Pending:
+    """An asynchronous collective: ``wait()`` blocks until it is done and returns its result."""
+
+    def __init__(self, work: dist.Work | None, finish: Callable[[], torch.Tensor]):
+        self._work, self._finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+        return self._finish()
+
+
+def _check_dims(input_: torch.Tensor, what: str) -> None:
+    if input_.dim() == 0:
+        raise MegatronCoreError(f"{what}: input must be at least 1-D (got a 0-d tensor)")
+
+
+def check_split_sizes(sizes: Sequence[int], world_size: int, what: str) -> list[int]:
+    """``sizes`` as a list of ints after checking it holds one non-negative size per rank."""
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != world_size or min(sizes) < 0:
+        raise MegatronCoreError(
+            f"{what} ({sizes}) must hold {world_size} non-negative sizes, one per rank"
+        )
+    return sizes
+
+
+def first_dim_split(input_: torch.Tensor, world_size: int, sizes, what: str) -> list[int]:
+    """Rows per rank along the first dimension: ``sizes`` (checked), or an equal split."""
+    _check_dims(input_, what)
+    rows = input_.size(0)
+    if sizes is None:
+        if rows % world_size:
+            raise MegatronCoreError(
+                f"{what}: first dimension ({rows}) of shape {tuple(input_.shape)} is not "
+                f"divisible by the group size ({world_size})"
+            )
+        return [rows // world_size] * world_size
+    sizes = check_split_sizes(sizes, world_size, f"{what}: split sizes")
+    if sum(sizes) != rows:
+        raise MegatronCoreError(f"{what}: split sizes ({sizes}) must sum to the rows ({rows})")
+    return sizes
+
+
+# --- sums --------------------------------------------------------------------------------------
+
+
+def all_reduce_async(input_: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+    """Start the sum of ``input_`` over ``group`` into a fresh buffer; ``wait()`` returns it."""
+    dtype = _sum_dtype(input_, group)
+    buffer = input_.to(dtype, memory_format=torch.contiguous_format, copy=True)
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    return Pending(work, lambda: buffer.to(input_.dtype))
+
+
+def all_reduce(input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum of ``input_`` over ``group`` (same shape and dtype), in a fresh tensor."""
+    return all_reduce_async(input_, group).wait()
+
+
+def reduce_scatter_first_dim_async(input_: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+    """Start the equal reduce-scatter along dim 0: rank r gets rows [r n/p, (r+1) n/p) of the
+    sum; ``wait()`` returns them."""
+    world_size, _ = size_rank(group)
+    first_dim_split(input_, world_size, None, "reduce-scatter along the first dimension")
+    dtype = _sum_dtype(input_, group)
+    source = input_.to(dtype, memory_format=torch.contiguous_format)
+    output = source.new_empty((source.size(0) // world_size, *source.shape[1:]))
+    work = _reduce_scatter_single(output, source, group=group, async_op=True)
+    return Pending(work, lambda: output.to(input_.dtype))
+
+
+def reduce_scatter_first_dim(input_, group, input_split_sizes=None) -> torch.Tensor:
+    """Sum over ``group``, keeping this rank's rows: an equal split, or ``input_split_sizes``."""
+    world_size, rank = size_rank(group)
+    what = "reduce-scatter along the first dimension"
+    sizes = first_dim_split(input_, world_size, input_split_sizes, what)
+    if input_split_sizes is None:
+        return reduce_scatter_first_dim_async(input_, group).wait()
+    # Uneven: receive every rank's copy of this rank's rows, then sum them here.
+    input_ = input_.contiguous()
+    rest = tuple(input_.shape[1:])
+    received = input_.new_empty((world_size * sizes[rank], *rest))
+    dist.all_to_all_single(received, input_, [sizes[rank]] * world_size, sizes, group=group)
+    stacked = received.view(world_size, sizes[rank], *rest)
+    return stacked.sum(dim=0, dtype=_sum_dtype(input_, group)).to(input_.dtype)
+
+
+def reduce_scatter_last_dim(input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum over ``group``, keeping this rank's slice of the last dimension."""
+    world_size, _ = size_rank(group)
+    # Rank r's slice of the last dimension becomes rank r's slice of the first dimension.
+    stacked = torch.cat(split_tensor_along_last_dim(input_, world_size), dim=0)
+    return reduce_scatter_first_dim(stacked, group)
+
+
+# --- data movement -----------------------------------------------------------------------------
+
+
+def split_last_dim(input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's slice of the last dimension (no communication)."""
+    world_size, rank = size_rank(group)
+    return split_tensor_along_last_dim(input_, world_size)[rank].contiguous()
+
+
+def split_first_dim(input_, group, split_sizes=None) -> torch.Tensor:
+    """This rank's rows of the first dimension, equal or ``split_sizes`` (no communication)."""
+    world_size, rank = size_rank(group)
+    sizes = first_dim_split(input_, world_size, split_sizes, "split along the first dimension")
+    return input_.narrow(0, sum(sizes[:rank]), sizes[rank]).contiguous()
+
+
+def all_gather_first_dim_async(input_: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+    """Start the all-gather along dim 0 (rank order); ``wait()`` returns [p n, ...]."""
+    world_size, _ = size_rank(group)
+    _check_dims(input_, "gather along the first dimension")
+    input_ = input_.contiguous()
+    output = input_.new_empty((world_size * input_.size(0), *input_.shape[1:]))
+    work = _all_gather_single(output, input_, group=group, async_op=True)
+    return Pending(work, lambda: output)
+
+
+def all_gather_first_dim(input_, group, output_split_sizes=None) -> torch.Tensor:
+    """Concatenation along dim 0 of every rank's ``input_``, in rank order.
+
+    With ``output_split_sizes`` the ranks may hold different numbers of rows (gloo has no uneven
+    all-gather, so every rank sends its rows to every rank through all-to-all).
+    """
+    if output_split_sizes is None:
+        return all_gather_first_dim_async(input_, group).wait()
+    world_size, rank = size_rank(group)
+    _check_dims(input_, "gather along the first dimension")
+    sizes = check_split_sizes(output_split_sizes, world_size, "output_split_sizes")
+    if sizes[rank] != input_.size(0):
+        raise MegatronCoreError(
+            f"output_split_sizes[{rank}] ({sizes[rank]}) must equal this rank's first "
+            f"dimension ({input_.size(0)})"
+        )
+    input_ = input_.contiguous()
+    output = input_.new_empty((sum(sizes), *input_.shape[1:]))
+    send = torch.cat([input_] * world_size, dim=0)
+    dist.all_to_all_single(output, send, sizes, [input_.size(0)] * world_size, group=group)
+    return output
+
+
+def all_gather_last_dim(input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenation along the last dimension of every rank's ``input_``, in rank order."""
+    world_size, _ = size_rank(group)
+    _check_dims(input_, "gather along the last dimension")
+    gathered = all_gather_first_dim(input_, group)
+    return torch.cat(gathered.chunk(world_size, dim=0), dim=-1)
+
+
+def all_to_all_first_dim(input_, group, output_split_sizes=None, input_split_sizes=None):
+    """Rank r sends its i-th block of rows to rank i and receives rank i's r-th block.
+
+    Split sizes of None mean equal blocks (the output then has as many rows as the input).
+    """
+    world_size, _ = size_rank(group)
+    in_sizes = first_dim_split(input_, world_size, input_split_sizes, "all_to_all")
+    if output_split_sizes is None:
+        out_sizes = first_dim_split(input_, world_size, None, "all_to_all")
+    else:
+        what = "all_to_all: output_split_sizes"
+        out_sizes = check_split_sizes(output_split_sizes, world_size, what)
+    input_ = input_.contiguous()
+    output = input_.new_empty((sum(out_sizes), *input_.shape[1:]))
+    dist.all_to_all_single(output, input_, out_sizes, in_sizes, group=group)
+    return output
