@@ -70,7 +70,7 @@ def _allreduce_embedding_grads(model: list[torch.nn.Module], pg_collection) -> N
     if pg_collection is not None and getattr(pg_collection, "embd", None) is not None:
         group = pg_collection.embd
     else:
-        if not parallel_state.is_rank_in_embedding_group():
+        if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
             return
         group = parallel_state.get_embedding_group()
     if group is None or dist.get_world_size(group) == 1:

@@ -112,7 +112,7 @@ class GPTModel(torch.nn.Module):
                 weight.zero_()
         else:
             weight.shared_embedding = True
-        if parallel_state.is_rank_in_embedding_group():
+        if parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
             group = parallel_state.get_embedding_group()
             if dist.get_world_size(group) > 1:
                 with torch.no_grad():
