@@ -151,7 +151,7 @@ def _reset_process_state() -> str | None:
         import torch
         import torch.distributed as dist
 
-        from megatron_core import device, parallel_state
+        from megatron_core import consistency, device, parallel_state
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
@@ -162,6 +162,7 @@ def _reset_process_state() -> str | None:
         except (ImportError, AttributeError):
             pass
         device.set_device_type(None)
+        consistency.set_enabled(None)  # check mode follows the environment again
         if not dist.is_initialized():
             raise MegatronCoreError("the default process group was destroyed by the function")
         torch.set_num_threads(1)

@@ -24,7 +24,29 @@ from megatron_core.tensor_parallel.utils import (
     split_tensor_into_1d_equal_chunks,
 )
 
-__all__ = ["Distribute", "SavedInputs", "capture_saved_inputs"]
+__all__ = ["Distribute", "SavedInputs", "capture_saved_inputs", "is_checkpointing"]
+
+_CHECKPOINTING_DEPTH = 0
+
+
+def is_checkpointing() -> bool:
+    """True while a checkpointed function runs: its forward or its recompute (megatron-core).
+
+    Every checkpoint of this package (reentrant, non-reentrant, CheckpointWithoutOutput) counts;
+    nested regions count once each, so the flag drops only when the outermost one ends.
+    """
+    return _CHECKPOINTING_DEPTH > 0
+
+
+@contextlib.contextmanager
+def checkpointing_region() -> Iterator[None]:
+    """Inside the block :func:`is_checkpointing` is True."""
+    global _CHECKPOINTING_DEPTH
+    _CHECKPOINTING_DEPTH += 1
+    try:
+        yield
+    finally:
+        _CHECKPOINTING_DEPTH -= 1
 
 
 class Distribute(str, enum.Enum):
@@ -134,7 +156,8 @@ class SavedInputs:
                     f"checkpoint: input tensor #{n} (shape {list(slot.shape)}) was modified in "
                     f"place after checkpoint() received it, in the function or before backward "
                     f"(version {slot.version} -> {kept._version}); the recompute would read the "
-                    "new values (NOTE [ Checkpoint rules ], rule 1)"
+                    "new values. Pass a clone (checkpoint(fn, ..., x.clone())) or make the change "
+                    "out of place (NOTE [ Checkpoint rules ], rule 1)"
                 )
             if kept.device != slot.device:
                 kept = kept.to(slot.device)
@@ -353,12 +376,20 @@ def backward_through(
 
     Outputs that are not tensors or do not require grad are skipped; an input that does not
     require grad gets None.
+
+    Raises:
+        MegatronCoreError: no output requires grad (torch.utils.checkpoint raises too).
     """
     pairs = [
         (out, grad)
         for out, grad in zip(outputs, grad_outputs)
         if torch.is_tensor(out) and out.requires_grad
     ]
-    if pairs:
-        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+    if not pairs:
+        raise MegatronCoreError(
+            "checkpoint: none of the recomputed outputs requires grad, so backward cannot reach "
+            "the inputs and this checkpoint is not necessary: call the function without "
+            "checkpoint, or return outputs that depend on the inputs without detaching them"
+        )
+    torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
     return tuple(x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs)

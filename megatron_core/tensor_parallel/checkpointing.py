@@ -35,14 +35,17 @@ autocast replay, checksums), checkpoint_nonreentrant.py, checkpoint_without_outp
 4. Offload (``offload_to_cpu=True``). Every kept input (its chunk when distributed: split first)
    is copied to the CPU in forward and back to its device before the gather in backward.
 5. Non-reentrant (``use_reentrant=False``). The function runs once with grad, under
-   ``saved_tensors_hooks`` whose pack keeps an empty holder instead of each saved tensor. The first
-   unpack in backward recomputes the whole region (rule 2) and fills every holder still alive;
-   later unpacks, including a second backward with ``retain_graph=True``, read the holders. The
-   recompute must save as many tensors as the forward, with the same shapes and dtypes, else
+   ``saved_tensors_hooks`` whose pack keeps a small holder instead of each saved tensor. The
+   first unpack of a backward recomputes the region (rule 2) until every saved tensor is back;
+   each recomputed tensor is freed after its use, and another backward recomputes again. An
+   unpack during the region's own forward (``torch.autograd.grad`` inside it) reads the forward's
+   tensor. The recompute must save the forward's tensors, same count, shapes and dtypes, else
    MegatronCoreError. A checkpoint nested in another keeps its inputs through the outer one's
-   hooks, so the outer region's memory is still freed. The reentrant mode instead calls
+   hooks, so the outer region's memory is still freed. Details: NOTE [ Non-reentrant
+   recompute ] in checkpoint_nonreentrant.py. The reentrant mode instead calls
    ``torch.autograd.backward`` inside backward: it refuses ``torch.autograd.grad``, takes only
-   positional inputs, and gives no gradient to parameters when no input requires grad.
+   positional inputs, and gives no gradient to parameters when no input requires grad (it
+   warns, as torch does).
 6. Determinism check (``check_determinism=True``, off by default). Forward records a checksum
    (float64 sum, position-weighted sum, sum of |x|) of every saved tensor (non-reentrant) and of
    every output (both modes); the recompute compares them and raises MegatronCoreError naming
@@ -52,7 +55,7 @@ autocast replay, checksums), checkpoint_nonreentrant.py, checkpoint_without_outp
 
 from __future__ import annotations
 
-import enum
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,9 +73,19 @@ from megatron_core.tensor_parallel.checkpoint_inputs import (
     backward_through,
     capture_saved_inputs,
     check_outputs,
+    checkpointing_region,
+    is_checkpointing,
     output_fingerprints,
 )
-from megatron_core.tensor_parallel.checkpoint_nonreentrant import checkpoint_without_reentrant
+from megatron_core.tensor_parallel.checkpoint_nonreentrant import (
+    checkpoint_without_reentrant,
+    set_checkpoint_early_stop,
+)
+from megatron_core.tensor_parallel.checkpoint_stacks import (
+    RecomputeMethod,
+    checkpoint_layer_stack,
+    checkpoint_sequential,
+)
 from megatron_core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 
 __all__ = [
@@ -82,7 +95,10 @@ __all__ = [
     "Distribute",
     "RecomputeMethod",
     "checkpoint_layer_stack",
+    "checkpoint_sequential",
     "capture_saved_inputs",
+    "is_checkpointing",
+    "set_checkpoint_early_stop",
 ]
 
 
@@ -104,7 +120,7 @@ class CheckpointFunction(torch.autograd.Function):
             options = _options(bool(options), args, Distribute.FIRST, False, False, None)
         ctx.run_function = run_function
         ctx.state = ForwardState.capture()  # rule 2
-        with torch.no_grad():
+        with torch.no_grad(), checkpointing_region():
             outputs = run_function(*args)
         ctx.saved = SavedInputs(args, options, version_check=False)  # rules 1, 3, 4
         ctx.save_for_backward(*ctx.saved.tensors)
@@ -127,7 +143,7 @@ class CheckpointFunction(torch.autograd.Function):
                 "or use checkpoint(..., use_reentrant=False) (NOTE [ Checkpoint rules ], rule 5)"
             )
         inputs = ctx.saved.rebuild(ctx.saved_tensors)
-        with ctx.state.replayed(), torch.enable_grad():  # rule 2
+        with ctx.state.replayed(), torch.enable_grad(), checkpointing_region():  # rule 2
             outputs = ctx.run_function(*inputs)
         if ctx.fingerprints is not None:
             check_outputs(ctx.fingerprints, outputs)  # rule 6
@@ -143,6 +159,8 @@ def _saved_tensors_of(ctx) -> Callable[[], Sequence[torch.Tensor]]:
 
 def _options(distribute_saved_activations, args, distribute, offload, check, tp_group):
     """Validate a call's settings (before anything runs) into CheckpointOptions."""
+    if distribute_saved_activations is None:  # megatron-core 0.16 callers pass None for False
+        distribute_saved_activations = False
     if not isinstance(distribute_saved_activations, bool):
         got = type(distribute_saved_activations).__name__
         raise MegatronCoreError(
@@ -179,32 +197,45 @@ def _options(distribute_saved_activations, args, distribute, offload, check, tp_
 
 def checkpoint(
     function: Callable[..., Any],
-    distribute_saved_activations: bool,
+    distribute_saved_activations: bool | None,
     *args: Any,
     use_reentrant: bool = True,
     distribute: Distribute | str = Distribute.FIRST,
     offload_to_cpu: bool = False,
     check_determinism: bool = False,
     tp_group: dist.ProcessGroup | None = None,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    debug: bool = False,
+    early_stop: bool = True,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` keeping only its inputs; recompute it in backward.
 
     megatron-core's ``checkpoint(function, distribute_saved_activations, *args)`` with its
-    defaults; see NOTE [ Checkpoint rules ] in this file for every rule cited below.
+    defaults; see NOTE [ Checkpoint rules ] in this file for every rule cited below, and
+    NOTE [ Non-reentrant recompute ] in checkpoint_nonreentrant.py for the non-reentrant mode.
 
     Args:
         function: the region to recompute; returns a tensor or a tuple. Inside it, draw randomness
             from the default generators or ``get_cuda_rng_tracker().fork()`` (rule 2).
-        distribute_saved_activations: keep inputs as this rank's 1-D chunk (rule 3).
+        distribute_saved_activations: keep inputs as this rank's 1-D chunk (rule 3); None means
+            False (megatron-core 0.16).
         *args: the function's positional arguments; non-tensors pass through.
         use_reentrant: True (megatron-core's mode) or False for the saved-tensor-hooks mode
-            (rule 5), which also accepts ``**kwargs`` and tensors inside lists, tuples and dicts.
+            (rule 5), which also accepts ``**kwargs`` and tensors inside lists, tuples and dicts,
+            ``torch.autograd.grad`` outside and inside the function, and the three options below.
         distribute: with distribute_saved_activations, which inputs to split: "first"
             (megatron-core: args[0]) or "all" (every floating-point tensor of >= tp elements).
         offload_to_cpu: keep the saved inputs (or their chunks) on the CPU (rule 4).
         check_determinism: verify that the recompute reproduces the forward's values (rule 6).
         tp_group: group to distribute over; default parallel_state's tensor-parallel group.
+        context_fn: non-reentrant only: returns (forward context, recompute context), as for
+            torch.utils.checkpoint; ``create_selective_checkpoint_contexts(policy)`` saves the
+            ops the policy names and recomputes the rest.
+        debug: non-reentrant only: record the ops of forward and recompute; a recompute that
+            differs raises with the first differing op and its shapes.
+        early_stop: non-reentrant only: stop the recompute once every saved tensor is back
+            (overridden by ``set_checkpoint_early_stop``).
         **kwargs: keyword arguments of ``function`` (non-reentrant mode only). Names above are
             this function's own and cannot be passed through.
 
@@ -213,8 +244,9 @@ def checkpoint(
 
     Raises:
         MegatronCoreError: an invalid setting (raised before anything runs); in backward,
-            ``torch.autograd.grad`` through the reentrant mode, an input modified in place, or a
-            recompute that differs from the forward (rules 5, 6).
+            ``torch.autograd.grad`` through the reentrant mode, no recomputed output requiring
+            grad (reentrant), an input modified in place, or a recompute that differs from the
+            forward (rules 5, 6).
     """
     options = _options(
         distribute_saved_activations,
@@ -226,90 +258,30 @@ def checkpoint(
     )
     if not isinstance(use_reentrant, bool):
         raise MegatronCoreError(f"checkpoint: use_reentrant ({use_reentrant!r}) must be a bool")
+    for name, value in (("debug", debug), ("early_stop", early_stop)):
+        if not isinstance(value, bool):
+            raise MegatronCoreError(f"checkpoint: {name} ({value!r}) must be a bool")
+    if context_fn is not None and not callable(context_fn):
+        raise MegatronCoreError(f"checkpoint: context_fn ({context_fn!r}) must be callable")
     if not use_reentrant:
-        return checkpoint_without_reentrant(function, options, args, kwargs)
+        return checkpoint_without_reentrant(
+            function, options, args, kwargs, context_fn, debug, early_stop
+        )
     if kwargs:
         raise MegatronCoreError(
             f"checkpoint: keyword arguments {sorted(kwargs)} for the function need "
             "use_reentrant=False (the reentrant mode takes positional inputs only)"
         )
-    return CheckpointFunction.apply(function, options, *args)
-
-
-class RecomputeMethod(str, enum.Enum):
-    """megatron-core's ``recompute_method`` for full recompute of a layer stack."""
-
-    UNIFORM = "uniform"  # chunks of recompute_num_layers layers, each one checkpoint
-    BLOCK = "block"  # the first recompute_num_layers layers, one checkpoint each
-
-
-def checkpoint_layer_stack(
-    layers: Sequence[Callable[..., torch.Tensor]],
-    hidden_states: torch.Tensor,
-    *args: Any,
-    recompute_method: RecomputeMethod | str,
-    recompute_num_layers: int,
-    distribute_saved_activations: bool = False,
-    **checkpoint_kwargs: Any,
-) -> torch.Tensor:
-    """Run ``layers`` in order with megatron-core's full-recompute settings.
-
-    Each layer is called as ``layer(hidden_states, *args)`` and returns the new hidden states;
-    ``args`` (e.g. an attention mask) go to every layer and are inputs of every checkpoint.
-    This is megatron-core's ``TransformerBlock._checkpointed_forward``.
-
-    Args:
-        layers: the stack, e.g. an ``nn.ModuleList``.
-        hidden_states: input of the first layer.
-        *args: extra inputs of every layer.
-        recompute_method: "uniform": layers [0, n), [n, 2n), ... each checkpointed as one region
-            (the last may be shorter); "block": layers 0 .. n-1 checkpointed one by one, the rest
-            run without checkpointing (n = recompute_num_layers).
-        recompute_num_layers: n above; >= 1 for "uniform", >= 0 for "block".
-        distribute_saved_activations: as in :func:`checkpoint` (splits the hidden states).
-        **checkpoint_kwargs: keyword settings of :func:`checkpoint` (use_reentrant, ...).
-
-    Raises:
-        MegatronCoreError: an unknown method or a bad recompute_num_layers.
-    """
-    try:
-        method = RecomputeMethod(recompute_method)
-    except ValueError:
+    if context_fn is not None or debug:
         raise MegatronCoreError(
-            f"checkpoint_layer_stack: recompute_method ({recompute_method!r}) must be one of "
-            f"{[m.value for m in RecomputeMethod]}"
-        ) from None
-    least = 1 if method is RecomputeMethod.UNIFORM else 0
-    if (
-        isinstance(recompute_num_layers, bool)
-        or not isinstance(recompute_num_layers, int)
-        or (recompute_num_layers < least)
-    ):
-        raise MegatronCoreError(
-            f"checkpoint_layer_stack: recompute_num_layers ({recompute_num_layers!r}) must be an "
-            f"integer >= {least} for recompute_method {method.value!r}"
+            "checkpoint: context_fn and debug=True need use_reentrant=False (the reentrant mode "
+            "recomputes inside backward with its own autograd call)"
         )
-    layers = list(layers)
-    if method is RecomputeMethod.UNIFORM:
-        size = recompute_num_layers
-        regions = [(start, start + size, True) for start in range(0, len(layers), size)]
-    else:
-        regions = [(i, i + 1, i < recompute_num_layers) for i in range(len(layers))]
-    for start, end, recompute in regions:
-        run = _run_layers(layers[start:end])
-        if recompute:
-            hidden_states = checkpoint(
-                run, distribute_saved_activations, hidden_states, *args, **checkpoint_kwargs
-            )
-        else:
-            hidden_states = run(hidden_states, *args)
-    return hidden_states
-
-
-def _run_layers(layers: list[Callable[..., torch.Tensor]]) -> Callable[..., torch.Tensor]:
-    def run(hidden_states: torch.Tensor, *args: Any) -> torch.Tensor:
-        for layer in layers:
-            hidden_states = layer(hidden_states, *args)
-        return hidden_states
-
-    return run
+    if torch.is_grad_enabled() and not any(torch.is_tensor(a) and a.requires_grad for a in args):
+        warnings.warn(
+            "None of the inputs have requires_grad=True. Gradients will be None (the reentrant "
+            "checkpoint runs the function without grad, so its parameters get no gradient "
+            "either): make an input require grad, or use checkpoint(..., use_reentrant=False)",
+            stacklevel=2,
+        )
+    return CheckpointFunction.apply(function, options, *args)

@@ -1,0 +1,218 @@
+"""The machinery of megatron_core.consistency: the switch, agree, agreed_errors, error naming.
+
+The per-rank bodies catch what they raise and return (exception type, message, seconds), so one
+warm worker pool serves every case; tests then check that every rank raised the same message.
+"""
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_core import consistency
+from megatron_core.consistency import CollectiveError, RankDisagreementError
+from megatron_core.errors import MegatronCoreError
+from megatron_core.testing import DistributedTestError, run_distributed
+
+# --- the switch (no processes) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env, debug, override, expected",
+    [
+        (None, None, None, False),
+        ("1", None, None, True),
+        ("on", None, None, True),
+        ("0", "DETAIL", None, False),  # an explicit 0 wins over torch's DETAIL
+        (None, "DETAIL", None, True),
+        (None, "INFO", None, False),
+        ("1", None, False, False),  # the function wins over the environment
+        (None, None, True, True),
+    ],
+)
+def test_switch(monkeypatch, env, debug, override, expected):
+    for name, value in ((consistency.CHECK_ENV, env), ("TORCH_DISTRIBUTED_DEBUG", debug)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    previous = consistency.set_enabled(override)
+    try:
+        assert consistency.is_enabled() is expected
+    finally:
+        consistency.set_enabled(previous)
+
+
+def test_check_mode_context_restores(monkeypatch):
+    monkeypatch.delenv(consistency.CHECK_ENV, raising=False)
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    with consistency.check_mode():
+        assert consistency.is_enabled()
+        with consistency.check_mode(False):
+            assert not consistency.is_enabled()
+        assert consistency.is_enabled()
+    assert not consistency.is_enabled()
+    consistency.enable()
+    assert consistency.is_enabled()
+    consistency.disable()
+    assert not consistency.is_enabled()
+    consistency.set_enabled(None)
+    with pytest.raises(MegatronCoreError, match=r"enabled \('yes'\) must be True, False or None"):
+        consistency.set_enabled("yes")
+
+
+# --- multi-rank bodies ------------------------------------------------------------------------
+
+
+def _outcome(fn, *args, **kwargs):
+    start = time.monotonic()
+    try:
+        value = fn(*args, **kwargs)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "ok", value, time.monotonic() - start
+
+
+def _group(seconds=30.0):
+    timeout = datetime.timedelta(seconds=seconds)
+    return dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
+
+
+def _body_agree(kind):
+    rank, group = dist.get_rank(), _group()
+    x = torch.zeros(4, 3)
+    if kind == "same":
+        return _outcome(consistency.agree, "op", group, x, vocab=8, keys=["a", "b"])
+    if kind == "shape":
+        return _outcome(consistency.agree, "gather", group, torch.zeros(4, 3 + 2 * (rank == 1)))
+    if kind == "dtype":
+        return _outcome(consistency.agree, "gather", group, x.double() if rank else x)
+    if kind == "args":
+        return _outcome(consistency.agree, "ce", group, x, vocab_partition=4 + 2 * rank)
+    if kind == "op":
+        return _outcome(consistency.agree, "all_reduce" if rank else "broadcast", group, x)
+    if kind == "many_dims":  # the 9th dimension differs: hashed, still caught
+        shape = (1,) * 8 + (2 + rank,)
+        return _outcome(consistency.agree, "op", group, torch.zeros(shape))
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_agree_passes_when_ranks_agree(world_size):
+    for kind, value, _ in run_distributed(_body_agree, world_size, "same", timeout=60):
+        assert (kind, value) == ("ok", None)
+
+
+R0, R1 = "rank 0 (global rank 0) =", "rank 1 (global rank 1) ="
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("shape", f"disagree on shape: {R0} (4, 3), {R1} (4, 5)"),
+        ("dtype", f"disagree on dtype: {R0} torch.float32, {R1} torch.float64"),
+        ("args", f"disagree on vocab_partition: {R0} 4, {R1} 6"),
+        ("op", f"disagree on op: {R0} broadcast, {R1} all_reduce"),
+        ("many_dims", f"disagree on shape: {R0} (1, 1, 1, 1, 1, 1, 1, 1, 2), {R1} (1, 1, 1"),
+    ],
+)
+def test_agree_raises_the_same_error_on_every_rank(world_size, kind, expected):
+    results = run_distributed(_body_agree, world_size, kind, timeout=60)
+    messages = {message for _, message, _ in results}
+    assert len(messages) == 1, messages  # the very same text on every rank
+    for kind_name, message, seconds in results:
+        assert kind_name == "RankDisagreementError"
+        assert "the process group of global ranks" in message
+        assert seconds < 10
+        assert expected in message, message
+
+
+def _body_agreed_errors(bad_rank):
+    group = _group()
+
+    def body():
+        with consistency.agreed_errors("local check", group):
+            if dist.get_rank() == bad_rank:
+                raise MegatronCoreError(f"value ({dist.get_rank() + 40}) is out of range")
+        dist.all_reduce(torch.ones(1), group=group)  # the collective the check protects
+        return "passed"
+
+    return _outcome(body)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_agreed_errors(world_size):
+    bad = world_size - 1
+    results = run_distributed(_body_agreed_errors, world_size, bad, timeout=60)
+    messages = {message for _, message, _ in results}
+    assert len(messages) == 1, messages
+    kind, message, _ = results[0]
+    if world_size == 1:  # nothing to agree with: the local error itself
+        assert (kind, message) == ("MegatronCoreError", "value (40) is out of range")
+        return
+    assert kind == "RankDisagreementError"
+    assert message.startswith(f"local check failed on 1 of the {world_size} ranks")
+    culprit = f"rank {bad} (global rank {bad}): MegatronCoreError: value ({bad + 40}) is out"
+    assert culprit in message
+    ok = run_distributed(_body_agreed_errors, world_size, -1, timeout=60)
+    assert [r[:2] for r in ok] == [("ok", "passed")] * world_size
+
+
+def _body_check_collective(enabled):
+    group = _group()
+    x = torch.zeros(2 + dist.get_rank())
+    with consistency.check_mode(enabled):
+        return _outcome(consistency.check_collective, "all_reduce", group, x)
+
+
+def test_check_collective_only_in_check_mode():
+    off = run_distributed(_body_check_collective, 2, False, timeout=60)
+    assert [r[:2] for r in off] == [("ok", None)] * 2  # no exchange: ranks never compared
+    on = run_distributed(_body_check_collective, 2, True, timeout=60)
+    assert {r[0] for r in on} == {"RankDisagreementError"}
+    assert "(2,), rank 1 (global rank 1) = (3,)" in on[0][1]
+
+
+def _body_silent_peer():
+    group = _group(seconds=2.0)  # a short group timeout: the peer never comes
+    if dist.get_rank() == 1:
+        return "ok", None, 0.0
+    return _outcome(consistency.agree, "op", group, torch.zeros(1))
+
+
+def test_silent_peer_times_out_with_a_named_error():
+    (kind, message, seconds), _ = run_distributed(_body_silent_peer, 2, timeout=60)
+    assert kind == "CollectiveError"
+    assert message.startswith(
+        "the consistency check's all-gather on the process group of global ranks [0, 1] failed "
+        "(a peer did not enter the collective within the group timeout)"
+    )
+    assert 1.5 < seconds < 10
+
+
+def _body_dead_peer():
+    group = _group(seconds=20.0)
+    dist.barrier(group=group)
+    if dist.get_rank() == 1:
+        time.sleep(0.2)
+        os._exit(3)  # the peer dies while rank 0 waits in the exchange
+    consistency.agree("op", group, torch.zeros(1))
+
+
+def test_dead_peer_gives_a_named_error():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_body_dead_peer, 2, timeout=60)
+    failures = info.value.failures
+    assert failures[1].type_name == "WorkerDied"
+    assert isinstance(failures[0].exception, CollectiveError), failures[0]
+    assert "a peer process of the group died" in failures[0].message
+    assert "global ranks [0, 1]" in failures[0].message
+
+
+def test_errors_are_package_errors():
+    assert issubclass(RankDisagreementError, MegatronCoreError)
+    assert issubclass(CollectiveError, MegatronCoreError)
