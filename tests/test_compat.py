@@ -36,7 +36,6 @@ DELIBERATELY_ABSENT_METHODS = {
 # not silently skipped: test_pending_rows_are_still_incompatible fails as soon as one of them
 # passes, so each must leave this list when its owner lands.
 PENDING = {
-    ("tensor_parallel", "is_checkpointing"): "ackpt (tensor_parallel.random.is_checkpointing)",
     ("tensor_parallel", "CheckpointWithoutOutputFunction"): "ackpt (random.py re-export)",
 }
 
