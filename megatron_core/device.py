@@ -8,17 +8,31 @@ How the device type is chosen, first match wins:
 
 1. :func:`set_device_type` was called (``"cpu"`` or ``"cuda"``);
 2. the environment variable ``MEGATRON_CORE_DEVICE`` is ``cpu`` or ``cuda``;
-3. torch.distributed is initialized with the NCCL backend -> ``cuda``;
+3. torch.distributed is initialized with a backend that puts NCCL on CUDA tensors -> ``cuda``:
+   ``"nccl"``, or a per-device map such as ``"cuda:nccl,cpu:gloo"`` (what torch's
+   ``init_process_group()`` without a backend picks on a GPU machine), see
+   :func:`backend_uses_cuda`;
 4. otherwise ``cpu``.
 
 CUDA is never chosen implicitly on a machine that merely has a GPU: a user asks for it (2 or 1) or
 launches with NCCL (3). On a CPU-only torch build nothing here touches ``torch.cuda`` unless CUDA
 was asked for, in which case a clear error is raised.
+
+NOTE [ CUDA first call ]
+1. torch initializes CUDA lazily: ``torch.cuda.default_generators`` is an empty tuple until the
+   first call that initializes it (``torch.cuda.init()``, ``current_device()``, a CUDA tensor).
+   Seeding may be a process's first CUDA call, so every read of that tuple here runs
+   ``torch.cuda.init()`` first, as its own statement (in ``default_generators[current_device()]``
+   Python reads the still-empty tuple before the index expression initializes CUDA).
+2. Nothing else here reads CUDA state that exists only after initialization.
+3. tests/test_device_fake_cuda.py runs these paths on a CPU-only build against a fake
+   ``torch.cuda`` that behaves lazily like the real one.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -27,6 +41,8 @@ from megatron_core.errors import MegatronCoreError
 __all__ = [
     "set_device_type",
     "device_type",
+    "backend_uses_cuda",
+    "warn_if_overlap_is_serialized",
     "is_accelerator",
     "default_backend",
     "current_device",
@@ -70,9 +86,32 @@ def device_type() -> str:
     if env:
         return _validate(env.lower(), "MEGATRON_CORE_DEVICE")
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_available() and dist.is_initialized() and backend_uses_cuda(_initialized_backend()):
         return "cuda"
     return "cpu"
+
+
+def _initialized_backend() -> str:
+    """The default group's backend string, with its per-device map where torch keeps one."""
+    dist = torch.distributed
+    config = getattr(dist, "get_backend_config", None)
+    return str(config() if config is not None else dist.get_backend())
+
+
+def backend_uses_cuda(backend: str | None) -> bool:
+    """True when the torch.distributed ``backend`` string puts NCCL on CUDA tensors.
+
+    Accepts every form ``init_process_group`` takes or ``get_backend``/``get_backend_config``
+    return: ``"nccl"`` (any case), and per-device maps ``"cuda:nccl,cpu:gloo"`` /
+    ``"cpu:gloo,cuda:nccl"``. ``"gloo"``, ``"cpu:gloo"``, None and unknown strings give False.
+    """
+    if not backend:
+        return False
+    for entry in str(backend).lower().replace(" ", "").split(","):
+        kind, _, name = entry.rpartition(":")
+        if name == "nccl" and kind in ("", "cuda"):
+            return True
+    return False
 
 
 def is_accelerator() -> bool:
@@ -101,7 +140,9 @@ def set_current_device(local_rank: int) -> None:
 def device_generator() -> torch.Generator:
     """The default random generator of the current device (the CPU generator on cpu)."""
     if device_type() == "cuda":
-        return torch.cuda.default_generators[torch.cuda.current_device()]
+        torch.cuda.init()  # NOTE [ CUDA first call ], rule 1
+        index = torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
     return torch.default_generator
 
 
@@ -148,3 +189,31 @@ def reset_peak_memory_stats() -> None:
     """Reset the device's peak-memory counter (a no-op on cpu)."""
     if device_type() == "cuda":
         torch.cuda.reset_peak_memory_stats()
+
+
+_OVERLAP_WARNED: set[str] = set()
+
+
+def warn_if_overlap_is_serialized(tensor: torch.Tensor, feature: str) -> None:
+    """Warn once per ``feature`` when a CUDA overlap needs ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
+
+    The overlapped linear backward (sequence parallelism, async tensor-model-parallel
+    all-reduce) queues a collective before the matmul that should hide it; with more than one
+    device connection the GPU may run them in another order and the overlap is lost (results do
+    not change). megatron-core warns the same way. Nothing happens for non-CUDA tensors.
+
+    Args:
+        tensor: an input of the overlapped computation; only its device type is read.
+        feature: what overlaps, named in the warning (e.g. "sequence parallelism").
+    """
+    if tensor.device.type != "cuda" or feature in _OVERLAP_WARNED:
+        return
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        return
+    _OVERLAP_WARNED.add(feature)
+    warnings.warn(
+        f"When using {feature} it is recommended to set the environment variable "
+        f"CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup (it is "
+        f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')!r})",
+        stacklevel=3,
+    )

@@ -66,7 +66,8 @@ class ModelParallelConfig:
         async_tensor_model_parallel_allreduce: in ColumnParallelLinear's backward, overlap the
             all-reduce of the input gradient with the weight-gradient matmul (instead of a
             synchronous all-reduce after it). Ignored under sequence parallelism, where the
-            reduce-scatter of the input gradient is always overlapped.
+            reduce-scatter of the input gradient is always overlapped. True by default:
+            megatron-core 0.16 always overlaps (it has no switch).
     """
 
     # Model parallelism.
@@ -91,7 +92,7 @@ class ModelParallelConfig:
 
     # Optimizations.
     gradient_accumulation_fusion: bool = False
-    async_tensor_model_parallel_allreduce: bool = False
+    async_tensor_model_parallel_allreduce: bool = True
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:

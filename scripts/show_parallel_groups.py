@@ -6,6 +6,7 @@ Run (4 CPU ranks, tp=2, pp=2):
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,15 @@ def main() -> None:
         for r in rows:
             print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
     parallel_state.destroy_model_parallel()
+    # Exit cleanly (issue 13, point 6): no rank tears gloo down while a peer still has the last
+    # gather in flight (the barrier), the group is destroyed explicitly, and the interpreter's
+    # finalizers never run over gloo's threads (os._exit; NOTE [ Clean exits ] in
+    # megatron_core/training/launcher.py, rule 4).
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

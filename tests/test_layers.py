@@ -555,7 +555,7 @@ def test_config_defaults_are_megatron_cores():
     assert cfg.perform_initialization and not cfg.use_cpu_initialization
     assert cfg.params_dtype == torch.float32 and not (cfg.fp16 or cfg.bf16)
     assert not (cfg.sequence_parallel or cfg.gradient_accumulation_fusion)
-    assert not cfg.async_tensor_model_parallel_allreduce
+    assert cfg.async_tensor_model_parallel_allreduce  # megatron-core 0.16 always overlaps
 
 
 @pytest.mark.parametrize(

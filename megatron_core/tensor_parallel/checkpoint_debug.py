@@ -9,6 +9,8 @@ ops of context from each side.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,11 +37,22 @@ class OpLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[str] = []
+        self.muted = False  # set by the checkpoint's own hooks: their ops are not the region's
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.ops.append(f"{func} -> {_describe(out)}")
+        if not self.muted:
+            self.ops.append(f"{func} -> {_describe(out)}")
         return out
+
+    @contextlib.contextmanager
+    def mute(self) -> Iterator[None]:
+        """Ops run inside the block are not recorded."""
+        muted, self.muted = self.muted, True
+        try:
+            yield
+        finally:
+            self.muted = muted
 
 
 def first_difference(forward: OpLog, recompute: OpLog) -> str:

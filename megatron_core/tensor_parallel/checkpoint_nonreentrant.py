@@ -174,7 +174,8 @@ class _Frame:
         self.forward_tensors.append(t)
         if self.check:
             name = f"saved tensor #{holder.index} ({tensor_name(t)})"
-            self.fingerprints.append(Fingerprint.of(t, name, values=True))
+            with self.forward_log.mute() if self.debug else contextlib.nullcontext():
+                self.fingerprints.append(Fingerprint.of(t, name, values=True))
         return holder
 
     def unpack(self, holder: _Holder) -> torch.Tensor:
@@ -229,6 +230,12 @@ class _Recompute:
         (exp, softmax) would otherwise hold that output, whose grad_fn is the op's node, in the
         node's packed data, a C++ reference cycle that leaks the recomputed graph.
         """
+        if self.log is not None:
+            with self.log.mute():
+                return self._pack(t)
+        return self._pack(t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
         frame, n = self.frame, self.count
         self.count = n + 1
         if n >= self.total:
@@ -317,13 +324,12 @@ def checkpoint_without_reentrant(
     frame = _Frame(function, spec, saved, options, extra)
     frame.keep_inputs_in(enclosing)
     log = OpLog() if debug else contextlib.nullcontext()
+    frame.forward_log = log if debug else None
     try:
         with _hooks(frame.pack, frame.unpack), checkpointing_region(), forward_context, log:
             outputs = function(*args, **kwargs)
     finally:
         frame.forward_done()
-    if debug:
-        frame.forward_log = log
     if frame.check:
         frame.output_fingerprints = output_fingerprints(outputs)
     return outputs

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_core import parallel_state
+from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import _collectives as C
 from megatron_core.tensor_parallel.amp import custom_bwd, custom_fwd
@@ -50,6 +50,7 @@ __all__ = [
 #    backward returns: no collective outlives the call.
 # 6. On CUDA the overlap needs CUDA_DEVICE_MAX_CONNECTIONS=1 so that the collective is queued
 #    before the matmul that should hide it (megatron-core's advice); results do not depend on it.
+#    Without it the function warns once (device.warn_if_overlap_is_serialized).
 
 
 def _weight_grad(grad_output, total_input, weight, accumulate_into_main_grad: bool):
@@ -226,6 +227,10 @@ def linear_with_grad_accumulation_and_async_allreduce(
     _check_arguments(
         input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel
     )
+    if sequence_parallel:  # NOTE [ Overlapped linear backward ], rule 6
+        device.warn_if_overlap_is_serialized(input, "sequence parallelism")
+    elif allreduce_dgrad:
+        device.warn_if_overlap_is_serialized(input, "async tensor-model-parallel all-reduce")
     if tp_group is None and (allreduce_dgrad or sequence_parallel):
         tp_group = parallel_state.get_tensor_model_parallel_group()
     return LinearWithGradAccumulationAndAsyncCommunication.apply(

@@ -1,0 +1,355 @@
+"""Point-to-point communication between adjacent pipeline stages (megatron-core's API).
+
+A stage sends its output activation forward (to the next stage) and receives the gradient of that
+activation backward (from the next stage); it receives its input activation from the previous
+stage and sends the gradient of that input back. :class:`P2PCommunicator` does this over one
+pipeline group: the ranks of the group form a ring, so the last stage's "next" is the first stage
+(the interleaved schedule sends the last stage's chunk-k output to the first stage's chunk k+1).
+
+# NOTE [ P2P matching ]
+1. Every call posts all its sends and receives as non-blocking operations, then (unless the caller
+   asks for the handles) waits for all of them: no rank blocks in a send before its peers posted
+   their receives, so any interleaving of neighbours' calls that pairs up completes.
+2. With two stages both neighbours are the same rank, and a call may carry both an activation and
+   a gradient to it. Messages between one pair of ranks match in posting order, so each rank posts
+   its operations in an order that pairs with its neighbour's: even stages post send-next,
+   recv-prev, send-prev, recv-next; odd stages recv-prev, send-next, recv-next, send-prev (the
+   order megatron-core uses for its unbatched path). On top of that, activations travel with tag
+   0 and gradients with tag 1 (gloo matches by tag; NCCL ignores tags and relies on the order).
+3. ``batch_p2p_comm=True`` hands the same list of operations to ``batch_isend_irecv``;
+   ``False`` issues them one by one. Both wait before returning when ``wait_on_reqs``.
+4. Waiting is bounded: a communicator created with ``timeout`` waits at most that long for each
+   operation and then raises :class:`~megatron_core.errors.MegatronCoreError` naming the peer, so
+   a stage whose neighbour died does not hang (without it, the process group's timeout applies).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import device
+from megatron_core.errors import MegatronCoreError
+
+__all__ = [
+    "P2PCommunicator",
+    "recv_forward",
+    "recv_backward",
+    "send_forward",
+    "send_backward",
+    "send_forward_recv_backward",
+    "send_backward_recv_forward",
+    "send_forward_recv_forward",
+    "send_backward_recv_backward",
+    "send_forward_backward_recv_forward_backward",
+]
+
+Shape = Sequence[int] | torch.Size
+
+_ACTIVATION_TAG = 0  # NOTE [ P2P matching ], rule 2
+_GRADIENT_TAG = 1
+
+
+def _option(config, name: str, default):
+    """A pipeline option of ``config`` with megatron-core's default when the config lacks it."""
+    return getattr(config, name, default)
+
+
+class _Requests:
+    """Handles of posted operations: ``wait()`` waits for all, bounded by the timeout."""
+
+    def __init__(self, works: list, peers: list[str], timeout: datetime.timedelta | None):
+        self.works, self.peers, self.timeout = works, peers, timeout
+
+    def wait(self) -> None:
+        """Wait for every operation; raise MegatronCoreError naming the peer on failure."""
+        for work, peer in zip(self.works, self.peers):
+            try:
+                ok = work.wait() if self.timeout is None else work.wait(self.timeout)
+            except RuntimeError as error:
+                raise MegatronCoreError(
+                    f"pipeline p2p: {peer} failed or timed out (timeout {self.timeout}): {error}"
+                ) from error
+            if ok is False:
+                raise MegatronCoreError(f"pipeline p2p: {peer} did not complete")
+        self.works = []
+
+
+class P2PCommunicator:
+    """Send and receive activations and gradients between neighbouring stages of one pipeline.
+
+    Shapes: every tensor exchanged in one call has ``tensor_shape`` (megatron's
+    ``(seq_length, micro_batch_size, hidden_size)``, ``seq_length / tp`` under sequence
+    parallelism) and dtype ``config.pipeline_dtype``. Received tensors are fresh leaves with
+    ``requires_grad=True`` on the current device, so the receiving stage's backward fills their
+    ``.grad``.
+
+    Args:
+        pp_group: the pipeline process group (one rank per stage, in stage order).
+        config: a ModelParallelConfig; reads ``pipeline_dtype`` and, when present,
+            ``batch_p2p_comm`` (default True) and ``timers``.
+        timeout: extension: the longest wait for one operation before raising (NOTE [ P2P
+            matching ], rule 4); None waits as long as the process group allows.
+    """
+
+    def __init__(self, pp_group, config, timeout: datetime.timedelta | None = None):
+        if pp_group is None:
+            raise MegatronCoreError("P2PCommunicator: pp_group is None")
+        self.pp_group = pp_group
+        self.config = config
+        self.timeout = timeout
+        ranks = dist.get_process_group_ranks(pp_group)
+        self.pp_rank = dist.get_rank(pp_group)
+        self.pp_size = len(ranks)
+        self.next_rank = ranks[(self.pp_rank + 1) % self.pp_size]
+        self.prev_rank = ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def is_pp_first_stage(self) -> bool:
+        """True on the first stage of the pipeline (ignoring virtual stages)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_pp_last_stage(self) -> bool:
+        """True on the last stage of the pipeline (ignoring virtual stages)."""
+        return self.pp_rank == self.pp_size - 1
+
+    def _empty(self, shape: Shape, what: str) -> torch.Tensor:
+        dtype = self.config.pipeline_dtype
+        if dtype is None:
+            raise MegatronCoreError(f"P2PCommunicator: pipeline_dtype must be set to {what}")
+        if shape is None:
+            raise MegatronCoreError(
+                f"P2PCommunicator: tensor_shape must be given to {what}; commonly "
+                "(seq_length, micro_batch_size, hidden_size)"
+            )
+        return torch.empty(
+            tuple(shape), dtype=dtype, device=device.current_device(), requires_grad=True
+        )
+
+    def _ops(self, send_next, recv_prev, send_prev, recv_next) -> list[tuple]:
+        """(op, tensor, peer, tag, description) in NOTE [ P2P matching ] rule 2's order."""
+        nxt, prv = self.next_rank, self.prev_rank
+        entries = {
+            "send_next": (dist.isend, send_next, nxt, _ACTIVATION_TAG, f"send to next rank {nxt}"),
+            "recv_prev": (
+                dist.irecv,
+                recv_prev,
+                prv,
+                _ACTIVATION_TAG,
+                f"recv from prev rank {prv}",
+            ),
+            "send_prev": (dist.isend, send_prev, prv, _GRADIENT_TAG, f"send to prev rank {prv}"),
+            "recv_next": (dist.irecv, recv_next, nxt, _GRADIENT_TAG, f"recv from next rank {nxt}"),
+        }
+        if self.pp_rank % 2 == 0:
+            order = ("send_next", "recv_prev", "send_prev", "recv_next")
+        else:
+            order = ("recv_prev", "send_next", "recv_next", "send_prev")
+        return [entries[name] for name in order if entries[name][1] is not None]
+
+    def _communicate(
+        self,
+        tensor_send_next: torch.Tensor | None,
+        tensor_send_prev: torch.Tensor | None,
+        recv_prev: bool,
+        recv_next: bool,
+        tensor_shape: Shape | None,
+        wait_on_reqs: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, _Requests]:
+        """Post the sends/receives of one step and (by default) wait for them.
+
+        Returns:
+            (tensor received from the previous stage or None, tensor received from the next
+            stage or None, the request handles; already waited for when ``wait_on_reqs``).
+        """
+        buf_prev = (
+            self._empty(tensor_shape, "receive from the previous stage") if recv_prev else None
+        )
+        buf_next = self._empty(tensor_shape, "receive from the next stage") if recv_next else None
+        sends = [
+            t if t is None else t.detach().contiguous()
+            for t in (tensor_send_next, tensor_send_prev)
+        ]
+        ops = self._ops(sends[0], buf_prev, sends[1], buf_next)
+        works, peers = [], []
+        if ops and _option(self.config, "batch_p2p_comm", True):
+            p2p = [dist.P2POp(op, t, peer, self.pp_group, tag) for op, t, peer, tag, _ in ops]
+            works = dist.batch_isend_irecv(p2p)
+            peers = [what for *_, what in ops]
+        else:
+            for op, t, peer, tag, what in ops:
+                works.append(op(t, peer, group=self.pp_group, tag=tag))
+                peers.append(what)
+        requests = _Requests(works, peers, self.timeout)
+        if wait_on_reqs:
+            requests.wait()
+        return buf_prev, buf_next, requests
+
+    def recv_forward(self, tensor_shapes: Shape, is_first_stage: bool) -> torch.Tensor | None:
+        """Receive the input activation from the previous stage (None on the first stage)."""
+        if is_first_stage:
+            return None
+        return self._communicate(None, None, True, False, tensor_shapes)[0]
+
+    def recv_backward(self, tensor_shapes: Shape, is_last_stage: bool) -> torch.Tensor | None:
+        """Receive the output's gradient from the next stage (None on the last stage)."""
+        if is_last_stage:
+            return None
+        return self._communicate(None, None, False, True, tensor_shapes)[1]
+
+    def send_forward(self, output_tensors: torch.Tensor, is_last_stage: bool) -> None:
+        """Send the output activation to the next stage (nothing on the last stage)."""
+        if not is_last_stage:
+            self._communicate(output_tensors, None, False, False, None)
+
+    def send_backward(self, input_tensor_grads: torch.Tensor, is_first_stage: bool) -> None:
+        """Send the input's gradient to the previous stage (nothing on the first stage)."""
+        if not is_first_stage:
+            self._communicate(None, input_tensor_grads, False, False, None)
+
+    def send_forward_recv_backward(
+        self, output_tensors: torch.Tensor, tensor_shapes: Shape, is_last_stage: bool
+    ) -> torch.Tensor | None:
+        """Send the output forward and receive its gradient, in one step with the next stage."""
+        if is_last_stage:
+            return None
+        return self._communicate(output_tensors, None, False, True, tensor_shapes)[1]
+
+    def send_backward_recv_forward(
+        self, input_tensor_grads: torch.Tensor, tensor_shapes: Shape, is_first_stage: bool
+    ) -> torch.Tensor | None:
+        """Send the input's gradient back and receive the next input, in one step."""
+        if is_first_stage:
+            return None
+        return self._communicate(None, input_tensor_grads, True, False, tensor_shapes)[0]
+
+    def send_forward_recv_forward(
+        self,
+        output_tensor: torch.Tensor | None,
+        recv_prev: bool,
+        tensor_shape: Shape,
+        overlap_p2p_comm: bool = False,
+    ):
+        """Send an activation to the next stage while receiving one from the previous stage.
+
+        Returns the received tensor (None unless ``recv_prev``), and with ``overlap_p2p_comm``
+        also the un-waited request handles (call ``.wait()`` before using the tensor).
+        """
+        received, _, reqs = self._communicate(
+            output_tensor, None, recv_prev, False, tensor_shape, wait_on_reqs=not overlap_p2p_comm
+        )
+        return (received, reqs) if overlap_p2p_comm else received
+
+    def send_backward_recv_backward(
+        self,
+        input_tensor_grad: torch.Tensor | None,
+        recv_next: bool,
+        tensor_shape: Shape,
+        overlap_p2p_comm: bool = False,
+    ):
+        """Send a gradient to the previous stage while receiving one from the next stage."""
+        _, received, reqs = self._communicate(
+            None,
+            input_tensor_grad,
+            False,
+            recv_next,
+            tensor_shape,
+            wait_on_reqs=not overlap_p2p_comm,
+        )
+        return (received, reqs) if overlap_p2p_comm else received
+
+    def send_forward_backward_recv_forward_backward(
+        self,
+        output_tensor: torch.Tensor | None,
+        input_tensor_grad: torch.Tensor | None,
+        recv_prev: bool,
+        recv_next: bool,
+        tensor_shape: Shape,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Both directions in one step: returns (input from prev, output grad from next)."""
+        received_prev, received_next, _ = self._communicate(
+            output_tensor, input_tensor_grad, recv_prev, recv_next, tensor_shape
+        )
+        return received_prev, received_next
+
+
+# --- module-level functions (megatron-core's older functional API) ------------------------------
+
+
+def _default_communicator(config) -> P2PCommunicator:
+    from megatron_core import parallel_state
+
+    return P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
+
+
+def _first() -> bool:
+    from megatron_core import parallel_state
+
+    return parallel_state.is_pipeline_first_stage()
+
+
+def _last() -> bool:
+    from megatron_core import parallel_state
+
+    return parallel_state.is_pipeline_last_stage()
+
+
+def recv_forward(tensor_shape: Shape, config) -> torch.Tensor | None:
+    """Receive from the previous stage of parallel_state's pipeline (None on the first stage)."""
+    return _default_communicator(config).recv_forward(tensor_shape, _first())
+
+
+def recv_backward(tensor_shape: Shape, config) -> torch.Tensor | None:
+    """Receive a gradient from the next stage (None on the last stage)."""
+    return _default_communicator(config).recv_backward(tensor_shape, _last())
+
+
+def send_forward(output_tensor: torch.Tensor, config) -> None:
+    """Send an activation to the next stage (nothing on the last stage)."""
+    _default_communicator(config).send_forward(output_tensor, _last())
+
+
+def send_backward(input_tensor_grad: torch.Tensor, config) -> None:
+    """Send a gradient to the previous stage (nothing on the first stage)."""
+    _default_communicator(config).send_backward(input_tensor_grad, _first())
+
+
+def send_forward_recv_backward(output_tensor, tensor_shape: Shape, config):
+    """Send forward and receive the gradient from the next stage in one step."""
+    return _default_communicator(config).send_forward_recv_backward(
+        output_tensor, tensor_shape, _last()
+    )
+
+
+def send_backward_recv_forward(input_tensor_grad, tensor_shape: Shape, config):
+    """Send a gradient back and receive the next input from the previous stage in one step."""
+    return _default_communicator(config).send_backward_recv_forward(
+        input_tensor_grad, tensor_shape, _first()
+    )
+
+
+def send_forward_recv_forward(output_tensor, recv_prev: bool, tensor_shape: Shape, config):
+    """Send to the next stage while receiving from the previous one (ring order)."""
+    return _default_communicator(config).send_forward_recv_forward(
+        output_tensor, recv_prev, tensor_shape
+    )
+
+
+def send_backward_recv_backward(input_tensor_grad, recv_next: bool, tensor_shape: Shape, config):
+    """Send to the previous stage while receiving a gradient from the next one."""
+    return _default_communicator(config).send_backward_recv_backward(
+        input_tensor_grad, recv_next, tensor_shape
+    )
+
+
+def send_forward_backward_recv_forward_backward(
+    output_tensor, input_tensor_grad, recv_prev: bool, recv_next: bool, tensor_shape: Shape, config
+):
+    """Both directions at once; returns (input from prev, output grad from next)."""
+    return _default_communicator(config).send_forward_backward_recv_forward_backward(
+        output_tensor, input_tensor_grad, recv_prev, recv_next, tensor_shape
+    )
