@@ -67,7 +67,7 @@ def _train(argv: list[str]) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"pipeline_model_parallel_size": 2}, "must be 1"),
+        ({"num_layers_per_virtual_pipeline_stage": 1}, "needs --pipeline-model-parallel-size"),
         ({"hidden_dropout": 1.5}, "must be in [0, 1)"),
         ({"save_interval": 5}, "needs --save"),
         ({"lr": 1e-3, "min_lr": 1e-2}, "--min-lr"),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_core import parallel_state
+from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.utils import VocabUtility
 
@@ -145,14 +145,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             partition, rank, world_size
         )
         ignored = target == ignore_index
-        # Same targets on every rank of the group, so every rank raises alike (no collective yet).
-        if bool((((target < 0) | (target >= vocab_size)) & ~ignored).any()):
-            bad = target[((target < 0) | (target >= vocab_size)) & ~ignored]
-            raise MegatronCoreError(
-                f"vocab_parallel_cross_entropy: target values {bad.unique()[:8].tolist()} are "
-                f"outside [0, vocab size ({vocab_size})) and differ from ignore_index "
-                f"({ignore_index})"
-            )
+        # Targets may differ between ranks (a user error): a rank that finds a bad one shares
+        # it, so every rank raises and none waits in the all-reduce below (issue 15, point 2).
+        with consistency.agreed_errors("vocab_parallel_cross_entropy", group):
+            if bool((((target < 0) | (target >= vocab_size)) & ~ignored).any()):
+                bad = target[((target < 0) | (target >= vocab_size)) & ~ignored]
+                raise MegatronCoreError(
+                    f"vocab_parallel_cross_entropy: target values {bad.unique()[:8].tolist()} "
+                    f"are outside [0, vocab size ({vocab_size})) and differ from ignore_index "
+                    f"({ignore_index})"
+                )
 
         logits = vocab_parallel_logits.float()
         logits_max = logits.max(dim=-1)[0]
@@ -228,6 +230,11 @@ def vocab_parallel_cross_entropy(
             vocabulary, or label_smoothing outside [0, 1].
     """
     group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+    consistency.check_collective(
+        "vocab_parallel_cross_entropy", group, vocab_parallel_logits, content=target,
+        target_shape=tuple(target.shape), label_smoothing=label_smoothing,
+        ignore_index=ignore_index,
+    )  # fmt: skip
     _check(vocab_parallel_logits, target, label_smoothing)
     return _VocabParallelCrossEntropy.apply(
         vocab_parallel_logits, target, float(label_smoothing), int(ignore_index), group

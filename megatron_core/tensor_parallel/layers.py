@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_core import consistency
 from megatron_core.errors import MegatronCoreError
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.tensor_parallel.layer_params import (  # noqa: F401  (re-exports)
@@ -490,7 +491,13 @@ class VocabParallelEmbedding(torch.nn.Module):
         _init_shard(self.weight, config, init_method, full_shape, 0, 1, self.tp_rank, self.tp_size)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        """Embed the ids ``input_`` [b, s]: [b, s, h], or [s/tp, b, h] when reduce-scattering."""
+        """Embed the ids ``input_`` [b, s]: [b, s, h], or [s/tp, b, h] when reduce-scattering.
+
+        In check mode (megatron_core.consistency) ids outside [0, num_embeddings), or ids that
+        differ between the ranks of the group, raise on every rank; otherwise an id outside
+        every rank's range embeds to zeros (megatron-core's behaviour).
+        """
+        consistency.check_ids("VocabParallelEmbedding", self.tp_group, input_, self.num_embeddings)
         if self.tp_size > 1:
             outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
             local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)

@@ -119,7 +119,7 @@ class VocabUtility:
 # --- section: 1-D chunks (owner: checkpoint) ---
 # Used by checkpoint(distribute_saved_activations=True); see NOTE [ Checkpoint rules ], rule 3, in
 # tensor_parallel/checkpointing.py.
-from megatron_core import parallel_state  # noqa: E402
+from megatron_core import consistency, parallel_state  # noqa: E402
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 _all_gather_1d = (
@@ -216,6 +216,9 @@ def gather_split_1d_tensor(
     """
     group = pick_group("gather_split_1d_tensor", tp_group, group)
     world_size, _ = _group_size_rank(group)
+    consistency.check_collective(
+        "gather_split_1d_tensor", _default_group(group), tensor, numel=numel
+    )
     chunk = tensor.numel()
     total = world_size * chunk
     if numel is not None and chunk_numel_1d(numel, world_size) != chunk:
@@ -226,7 +229,10 @@ def gather_split_1d_tensor(
     gathered = torch.empty(total, dtype=tensor.dtype, device=tensor.device)
     if total == 0:  # every rank holds an empty chunk: nothing to exchange
         return gathered
-    _all_gather_1d(gathered, tensor.detach().reshape(-1).contiguous(), group=_default_group(group))
+    with consistency.named_failures("gather_split_1d_tensor", _default_group(group)):
+        _all_gather_1d(
+            gathered, tensor.detach().reshape(-1).contiguous(), group=_default_group(group)
+        )
     return gathered if numel is None else gathered[:numel]
 
 
