@@ -1,39 +1,34 @@
 """Train a small byte-level GPT with tensor parallelism: the main job.
 
-Run on a CPU machine (2 ranks, tp=2, gloo; about two minutes):
+Run on a CPU machine (2 ranks, gloo; the TP size defaults to the largest that fits):
+    python scripts/train_gpt.py --nproc-per-node 2
+or with torchrun:
     torchrun --standalone --nproc_per_node=2 scripts/train_gpt.py
 
 Options (see --help): --tensor-model-parallel-size, --sequence-parallel, --recompute-*,
---data PATH (your own text file), --save/--load DIR, --device cuda (nccl, one GPU per rank).
-The training loop lives in megatron_core.training.
+--data PATH (your own text file), --save/--load DIR (resharding: load at any TP/DP size),
+--device cuda (nccl, one GPU per rank), --debug (Python tracebacks). Failures print one line
+(NOTE [ Clean exits ] in megatron_core/training/launcher.py). The training loop lives in
+megatron_core.training.
 """
 
 import sys
 
-import torch.distributed as dist
-
-from megatron_core.errors import MegatronCoreError
 from megatron_core.training import initialize_distributed, parse_args, train
+from megatron_core.training.launcher import launch
+
+
+def _nproc_per_node(argv) -> int:
+    return parse_args(argv).nproc_per_node
 
 
 def main() -> int:
-    """Parse arguments, start the process group and train; returns the exit status."""
-    try:
-        args = parse_args()
-        initialize_distributed(args.device)
-    except MegatronCoreError as exc:  # bad arguments, or --device cuda without a GPU
-        print(f"train_gpt.py: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        train(args)
-    except MegatronCoreError as exc:  # raised on every rank alike; rank 0 reports it
-        if dist.get_rank() == 0:
-            print(f"train_gpt.py: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        dist.destroy_process_group()
+    """One rank: parse arguments, start the process group and train; returns the exit status."""
+    args = parse_args(sys.argv[1:])
+    initialize_distributed(args.device, args.distributed_timeout_minutes)
+    train(args)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    launch("train_gpt.py", __file__, sys.argv[1:], _nproc_per_node, main)

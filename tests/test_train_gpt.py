@@ -84,14 +84,52 @@ def test_validate_args_world_size_and_batch():
     with pytest.raises(MegatronCoreError, match=r"--global-batch-size \(6\) must be a multiple"):
         validate_args(parse_args(_argv(tensor_model_parallel_size=1, global_batch_size=6)), 2)
     with pytest.raises(MegatronCoreError, match=r"--seq-length \(15\) must be divisible"):
-        validate_args(parse_args(_argv(seq_length=15, sequence_parallel=True)), 2)
+        validate_args(
+            parse_args(_argv(seq_length=15, sequence_parallel=True, tensor_model_parallel_size=2)),
+            2,
+        )
     args = parse_args(_argv(tensor_model_parallel_size=1, micro_batch_size=3))
     validate_args(args, 4)
     assert args.global_batch_size == 12  # micro batch * data-parallel size
 
 
+@pytest.mark.parametrize(
+    "world_size, heads, sequence_parallel, expected",
+    [
+        (1, 4, False, 1),
+        (2, 4, False, 2),
+        (4, 4, False, 4),
+        (3, 4, False, 1),
+        (8, 4, False, 4),
+        (6, 6, False, 6),
+        (4, 6, False, 2),
+        (4, 4, True, 4),
+    ],
+)
+def test_default_tp_is_the_largest_that_fits(world_size, heads, sequence_parallel, expected):
+    # hidden 48 and seq 16 keep every size up to 6 but 5 splittable; heads decide
+    args = parse_args(
+        _argv(num_attention_heads=heads, hidden_size=48, sequence_parallel=sequence_parallel)
+    )
+    assert args.tensor_model_parallel_size is None
+    validate_args(args, world_size)
+    assert args.tensor_model_parallel_size == expected
+
+
+def test_layout_errors_name_the_flag_and_the_sizes_that_fit():
+    with pytest.raises(MegatronCoreError, match=r"use --tensor-model-parallel-size 1 or 2 or 4$"):
+        validate_args(parse_args(_argv(tensor_model_parallel_size=3)), 4)
+    message = r"--num-attention-heads \(4\) must be divisible by --tensor-model-parallel-size \(3\)"
+    with pytest.raises(MegatronCoreError, match=message):
+        validate_args(parse_args(_argv(tensor_model_parallel_size=3)), 3)
+    with pytest.raises(MegatronCoreError, match=r"unrecognized arguments: --bogus \(see"):
+        parse_args(["--bogus"])
+    with pytest.raises(MegatronCoreError, match=r"--distributed-timeout-minutes \(0.0\)"):
+        parse_args(["--distributed-timeout-minutes", "0"])
+
+
 def test_recompute_options_are_checked_before_any_process():
-    args = parse_args(_argv(recompute_method="uniform"))
+    args = parse_args(_argv(recompute_method="uniform", tensor_model_parallel_size=1))
     with pytest.raises(MegatronCoreError, match="needs recompute_granularity='full'"):
         model_config(args)
 
@@ -101,7 +139,8 @@ def test_sequence_parallel_on_one_tp_rank_is_switched_off_with_a_warning():
     with pytest.warns(UserWarning, match="disabling sequence parallelism"):
         config = model_config(args)
     assert not config.sequence_parallel
-    assert model_config(parse_args(_argv(sequence_parallel=True))).sequence_parallel  # tp 2
+    args = parse_args(_argv(sequence_parallel=True, tensor_model_parallel_size=2))
+    assert model_config(args).sequence_parallel
 
 
 def test_learning_rate_warmup_then_cosine_to_min():

@@ -150,6 +150,7 @@ from megatron_core.tensor_parallel.checkpointing import (  # noqa: E402
     capture_saved_inputs,
     checkpoint,
     checkpoint_layer_stack,
+    checkpoint_sequential,
     is_checkpointing,
     set_checkpoint_early_stop,
 )
@@ -160,6 +161,7 @@ __all__ += [
     "Distribute",
     "RecomputeMethod",
     "checkpoint_layer_stack",
+    "checkpoint_sequential",
     "capture_saved_inputs",
     "is_checkpointing",
     "set_checkpoint_early_stop",

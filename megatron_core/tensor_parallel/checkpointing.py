@@ -55,7 +55,6 @@ autocast replay, checksums), checkpoint_nonreentrant.py, checkpoint_without_outp
 
 from __future__ import annotations
 
-import enum
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -82,6 +81,11 @@ from megatron_core.tensor_parallel.checkpoint_nonreentrant import (
     checkpoint_without_reentrant,
     set_checkpoint_early_stop,
 )
+from megatron_core.tensor_parallel.checkpoint_stacks import (
+    RecomputeMethod,
+    checkpoint_layer_stack,
+    checkpoint_sequential,
+)
 from megatron_core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 
 __all__ = [
@@ -91,6 +95,7 @@ __all__ = [
     "Distribute",
     "RecomputeMethod",
     "checkpoint_layer_stack",
+    "checkpoint_sequential",
     "capture_saved_inputs",
     "is_checkpointing",
     "set_checkpoint_early_stop",
@@ -280,82 +285,3 @@ def checkpoint(
             stacklevel=2,
         )
     return CheckpointFunction.apply(function, options, *args)
-
-
-class RecomputeMethod(str, enum.Enum):
-    """megatron-core's ``recompute_method`` for full recompute of a layer stack."""
-
-    UNIFORM = "uniform"  # chunks of recompute_num_layers layers, each one checkpoint
-    BLOCK = "block"  # the first recompute_num_layers layers, one checkpoint each
-
-
-def checkpoint_layer_stack(
-    layers: Sequence[Callable[..., torch.Tensor]],
-    hidden_states: torch.Tensor,
-    *args: Any,
-    recompute_method: RecomputeMethod | str,
-    recompute_num_layers: int,
-    distribute_saved_activations: bool = False,
-    **checkpoint_kwargs: Any,
-) -> torch.Tensor:
-    """Run ``layers`` in order with megatron-core's full-recompute settings.
-
-    Each layer is called as ``layer(hidden_states, *args)`` and returns the new hidden states;
-    ``args`` (e.g. an attention mask) go to every layer and are inputs of every checkpoint.
-    This is megatron-core's ``TransformerBlock._checkpointed_forward``.
-
-    Args:
-        layers: the stack, e.g. an ``nn.ModuleList``.
-        hidden_states: input of the first layer.
-        *args: extra inputs of every layer.
-        recompute_method: "uniform": layers [0, n), [n, 2n), ... each checkpointed as one region
-            (the last may be shorter); "block": layers 0 .. n-1 checkpointed one by one, the rest
-            run without checkpointing (n = recompute_num_layers).
-        recompute_num_layers: n above; >= 1 for "uniform", >= 0 for "block".
-        distribute_saved_activations: as in :func:`checkpoint` (splits the hidden states).
-        **checkpoint_kwargs: keyword settings of :func:`checkpoint` (use_reentrant, ...).
-
-    Raises:
-        MegatronCoreError: an unknown method or a bad recompute_num_layers.
-    """
-    try:
-        method = RecomputeMethod(recompute_method)
-    except ValueError:
-        raise MegatronCoreError(
-            f"checkpoint_layer_stack: recompute_method ({recompute_method!r}) must be one of "
-            f"{[m.value for m in RecomputeMethod]}"
-        ) from None
-    least = 1 if method is RecomputeMethod.UNIFORM else 0
-    if (
-        isinstance(recompute_num_layers, bool)
-        or not isinstance(recompute_num_layers, int)
-        or (recompute_num_layers < least)
-    ):
-        raise MegatronCoreError(
-            f"checkpoint_layer_stack: recompute_num_layers ({recompute_num_layers!r}) must be an "
-            f"integer >= {least} for recompute_method {method.value!r}"
-        )
-    layers = list(layers)
-    if method is RecomputeMethod.UNIFORM:
-        size = recompute_num_layers
-        regions = [(start, start + size, True) for start in range(0, len(layers), size)]
-    else:
-        regions = [(i, i + 1, i < recompute_num_layers) for i in range(len(layers))]
-    for start, end, recompute in regions:
-        run = _run_layers(layers[start:end])
-        if recompute:
-            hidden_states = checkpoint(
-                run, distribute_saved_activations, hidden_states, *args, **checkpoint_kwargs
-            )
-        else:
-            hidden_states = run(hidden_states, *args)
-    return hidden_states
-
-
-def _run_layers(layers: list[Callable[..., torch.Tensor]]) -> Callable[..., torch.Tensor]:
-    def run(hidden_states: torch.Tensor, *args: Any) -> torch.Tensor:
-        for layer in layers:
-            hidden_states = layer(hidden_states, *args)
-        return hidden_states
-
-    return run

@@ -8,6 +8,7 @@ before any collective, so every rank fails the same way.
 from __future__ import annotations
 
 import argparse
+import os
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.training.data import DEFAULT_CORPUS_DESCRIPTION
@@ -50,7 +51,13 @@ _ARGUMENTS = [
     (
         "parallelism (data-parallel size = world size / (tp * pp))",
         [
-            ("--tensor-model-parallel-size", 2, _POS, "ranks that split every layer"),
+            (
+                "--tensor-model-parallel-size",
+                None,
+                _POS,
+                "ranks that split every layer (None: the largest size that divides the world "
+                "size / pp and the attention heads, hidden and MLP widths)",
+            ),
             (
                 "--pipeline-model-parallel-size",
                 1,
@@ -107,6 +114,25 @@ _ARGUMENTS = [
         ],
     ),
     (
+        "launching",
+        [
+            (
+                "--nproc-per-node",
+                1,
+                _POS,
+                "ranks to start when run as `python scripts/train_gpt.py` (the built-in "
+                "launcher); ignored under torchrun, which sets the world size itself",
+            ),
+            (
+                "--distributed-timeout-minutes",
+                5.0,
+                _FLOAT,
+                "a collective waiting longer than this fails the job (torch's default is 30)",
+            ),
+            ("--debug", False, _FLAG, "show Python tracebacks (also: MEGATRON_CORE_DEBUG=1)"),
+        ],
+    ),
+    (
         "training",
         [
             ("--train-iters", 600, _POS, "iterations; the learning-rate schedule spans them"),
@@ -148,13 +174,25 @@ _ARGUMENTS = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """Raises MegatronCoreError instead of printing usage and exiting (NOTE [ Clean exits ] in
+    launcher.py prints it once, from rank 0); ``--help`` prints on global rank 0 only."""
+
+    def error(self, message: str):
+        raise MegatronCoreError(f"{message} (see {self.prog} --help)")
+
+    def print_help(self, file=None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super().print_help(file)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of scripts/train_gpt.py."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="train_gpt.py",
         description="Train a small byte-level GPT with megatron_core's tensor parallelism. "
-        "Launch with torchrun, e.g. torchrun --standalone --nproc_per_node=2 "
-        "scripts/train_gpt.py (CPU + gloo by default).",
+        "Run `python scripts/train_gpt.py --nproc-per-node 2` (or torchrun --standalone "
+        "--nproc_per_node=2 scripts/train_gpt.py); CPU + gloo by default.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for title, arguments in _ARGUMENTS:
@@ -194,6 +232,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--min-loss-scale ({args.min_loss_scale}) must be > 0 and <= --initial-loss-scale "
             f"({args.initial_loss_scale})"
         )
+    if args.distributed_timeout_minutes <= 0:
+        raise MegatronCoreError(
+            f"--distributed-timeout-minutes ({args.distributed_timeout_minutes}) must be > 0"
+        )
     if args.save_interval is not None and args.save is None:
         raise MegatronCoreError(f"--save-interval ({args.save_interval}) needs --save DIR")
     return args
@@ -204,25 +246,60 @@ def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
     return world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Check what depends on the world size; fills in ``args.global_batch_size``.
+def _tp_sizes_that_fit(args: argparse.Namespace, world_size: int) -> list[int]:
+    """TP sizes that divide world size / pp and every split width (heads, hidden, MLP, and the
+    sequence under sequence parallelism), ascending."""
+    pp = args.pipeline_model_parallel_size
+    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    widths = [args.num_attention_heads, args.hidden_size, ffn]
+    if args.sequence_parallel:
+        widths.append(args.seq_length)
+    return [
+        tp
+        for tp in range(1, world_size // pp + 1)
+        if world_size % (tp * pp) == 0 and all(w % tp == 0 for w in widths)
+    ]
 
-    Raises:
-        MegatronCoreError: tp * pp does not divide the world size, the sequence does not split
-            evenly under sequence parallelism, or the global batch is not a multiple of micro
-            batch size * data-parallel size.
-    """
+
+def _check_tp(args: argparse.Namespace, world_size: int, fits: list[int]) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    hint = f"; use --tensor-model-parallel-size {' or '.join(map(str, fits))}" if fits else ""
     if world_size % (tp * pp):
         raise MegatronCoreError(
             f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) "
-            f"* --pipeline-model-parallel-size ({pp}); launch with torchrun --nproc_per_node=N"
+            f"* --pipeline-model-parallel-size ({pp}){hint}"
+        )
+    if args.num_attention_heads % tp:
+        raise MegatronCoreError(
+            f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp}){hint}"
         )
     if args.sequence_parallel and args.seq_length % tp:
         raise MegatronCoreError(
             f"--seq-length ({args.seq_length}) must be divisible by --tensor-model-parallel-size "
-            f"({tp}) with --sequence-parallel"
+            f"({tp}) with --sequence-parallel{hint}"
         )
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> None:
+    """Check what depends on the world size; fills in ``args.tensor_model_parallel_size`` (when
+    None: the largest size that fits, see ``--help``) and ``args.global_batch_size``.
+
+    Raises:
+        MegatronCoreError: tp * pp does not divide the world size, the heads or the sequence
+            (under sequence parallelism) do not split evenly (the message lists the TP sizes
+            that fit), or the global batch is not a multiple of micro batch size *
+            data-parallel size.
+    """
+    fits = _tp_sizes_that_fit(args, world_size)
+    if args.tensor_model_parallel_size is None:
+        if not fits:
+            raise MegatronCoreError(
+                f"no tensor-model-parallel size fits world size ({world_size}) with "
+                f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size})"
+            )
+        args.tensor_model_parallel_size = fits[-1]
+    _check_tp(args, world_size, fits)
     dp = data_parallel_size(args, world_size)
     step = args.micro_batch_size * dp
     if args.global_batch_size is None:

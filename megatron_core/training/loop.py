@@ -14,6 +14,7 @@ import os
 import random
 import tempfile
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_core.training.arguments import validate_args
 from megatron_core.training.checkpoint import load_checkpoint, save_checkpoint
 from megatron_core.training.data import VOCAB_SIZE, ByteCorpus, get_batch
+from megatron_core.training.launcher import RENDEZVOUS_ENV
 from megatron_core.training.mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
 from megatron_core.training.progress import Progress
 from megatron_core.transformer import GPTModel, TransformerConfig
@@ -70,23 +72,37 @@ class TrainingResult:
     optimizer: torch.optim.Optimizer
 
 
-def initialize_distributed(device_type: str) -> None:
+def initialize_distributed(device_type: str, timeout_minutes: float | None = None) -> None:
     """Choose the device, bind this rank to LOCAL_RANK's accelerator, init the process group.
 
     Under torchrun the group comes from its environment (RANK, WORLD_SIZE, MASTER_ADDR, ...);
-    started without torchrun (no RANK set) the process is a world of one, rendezvousing through
-    a fresh temporary file.
+    under the built-in launcher (``--nproc-per-node``) from RANK, WORLD_SIZE and a file
+    rendezvous (``MEGATRON_CORE_RENDEZVOUS``); started alone (no RANK set) the process is a
+    world of one, rendezvousing through a fresh temporary file. ``timeout_minutes`` bounds every
+    collective (None: torch's default).
     """
     device.set_device_type(device_type)
     device.set_current_device(int(os.environ.get("LOCAL_RANK", "0")))
     if dist.is_initialized():
         return
+    options = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
+    backend = device.default_backend()
+    if RENDEZVOUS_ENV in os.environ:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            backend,
+            init_method=os.environ[RENDEZVOUS_ENV],
+            rank=rank,
+            world_size=world_size,
+            **options,
+        )
+        return
     if "RANK" in os.environ:
-        dist.init_process_group(device.default_backend())
+        dist.init_process_group(backend, **options)
         return
     rendezvous = os.path.join(tempfile.mkdtemp(prefix="train_gpt_"), "rendezvous")
     dist.init_process_group(
-        device.default_backend(), init_method=f"file://{rendezvous}", rank=0, world_size=1
+        backend, init_method=f"file://{rendezvous}", rank=0, world_size=1, **options
     )
 
 
@@ -99,7 +115,17 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
 def model_config(args: argparse.Namespace) -> TransformerConfig:
     """The TransformerConfig of ``args`` (validated). Weights are drawn full on the CPU, so a
     run's starting point does not depend on the tensor-parallel size. ``--sequence-parallel``
-    with a tensor-parallel size of 1 is switched off with a warning (by ModelParallelConfig)."""
+    with a tensor-parallel size of 1 is switched off with a warning (by ModelParallelConfig).
+
+    Raises:
+        MegatronCoreError: the TP size is still None (call ``validate_args`` first) or the
+            config is invalid.
+    """
+    if args.tensor_model_parallel_size is None:
+        raise MegatronCoreError(
+            "model_config: tensor_model_parallel_size is None; validate_args(args, world_size) "
+            "chooses it"
+        )
     return TransformerConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
