@@ -128,3 +128,150 @@ class ProcessGroupCollection:
             ps.get_data_parallel_group, with_context_parallel=True, partial_data_parallel=True
         )
         return cls(**{name: getters[name]() for name in required_pgs})
+
+    @staticmethod
+    def setup_process_groups_for_optimizer(
+        pg_collection: ProcessGroupCollection | None,
+        model_chunks: list,
+        use_gloo_process_groups: bool = True,
+    ) -> dict:
+        """The groups an optimizer needs, from ``pg_collection`` or (if None) parallel_state.
+
+        Reads ``model_chunks[0].ddp_config`` (num_distributed_optimizer_instances,
+        use_distributed_optimizer) and ``model_chunks[0].config.context_parallel_size`` when
+        present.
+
+        Returns:
+            dict with dp_group, dp_cp_group, intra_dp_cp_group, expt_dp_group,
+            intra_expt_dp_group, mp_group, expt_tp_pp_group, inter_dist_opt_group,
+            intra_dist_opt_group, intra_dp_cp_group_gloo, intra_expt_dp_group_gloo (None where
+            not used).
+
+        Raises:
+            ValueError: a group the configuration needs is missing from ``pg_collection``, or
+                gloo groups are asked for together with an explicit ``pg_collection``.
+        """
+        ddp_config = getattr(model_chunks[0], "ddp_config", None)
+        instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
+        if pg_collection is None:
+            groups = _ddp_groups_from_parallel_state(ddp_config)
+            gloo = use_gloo_process_groups
+            groups.update(
+                mp_group=ps.get_model_parallel_group(),
+                expt_tp_pp_group=ps.get_expert_tensor_model_pipeline_parallel_group(),
+                intra_dist_opt_group=ps.get_intra_distributed_optimizer_instance_group(),
+                intra_dp_cp_group_gloo=(
+                    ps.get_data_parallel_group_gloo(True, partial_data_parallel=True)
+                    if gloo
+                    else None
+                ),
+                intra_expt_dp_group_gloo=(
+                    ps.get_expert_data_parallel_group_gloo(partial_expert_data_parallel=True)
+                    if gloo
+                    else None
+                ),
+            )
+            for key in ("tp_group", "pp_group", "ep_group"):
+                groups.pop(key)
+            return groups
+        cp_size = getattr(getattr(model_chunks[0], "config", None), "context_parallel_size", 1)
+        groups = {"dp_group": _required(pg_collection, "dp")}
+        groups["dp_cp_group"] = _dp_cp(pg_collection, groups["dp_group"], cp_size)
+        groups["expt_dp_group"] = _required(pg_collection, "expt_dp")
+        groups.update(_partial_groups(pg_collection, groups, ddp_config, instances))
+        use_dist_opt = getattr(ddp_config, "use_distributed_optimizer", False)
+        groups["intra_dist_opt_group"] = (
+            _required(pg_collection, "intra_dist_opt") if use_dist_opt else None
+        )
+        groups["mp_group"] = _required(pg_collection, "mp")
+        groups["expt_tp_pp_group"] = _required(pg_collection, "tp_ep_pp")
+        if use_gloo_process_groups:
+            raise ValueError(
+                "Gloo process groups are not supported when pg_collection is provided. "
+                "Please set use_gloo_process_groups to False."
+            )
+        groups.update(intra_dp_cp_group_gloo=None, intra_expt_dp_group_gloo=None)
+        return groups
+
+    @staticmethod
+    def setup_process_groups_for_ddp(
+        pg_collection: ProcessGroupCollection | None, config, ddp_config
+    ) -> dict:
+        """The groups DistributedDataParallel needs, from ``pg_collection`` or parallel_state.
+
+        Returns:
+            dict with dp_group, dp_cp_group, intra_dp_cp_group, expt_dp_group,
+            intra_expt_dp_group, tp_group, pp_group, ep_group, inter_dist_opt_group and (from
+            parallel_state) intra_dist_opt_group. Without an expt_dp group in ``pg_collection``,
+            expt_dp_group is a new one-rank group of this rank.
+        """
+        if pg_collection is None:
+            return _ddp_groups_from_parallel_state(ddp_config)
+        instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
+        groups = {"dp_group": _required(pg_collection, "dp")}
+        cp_size = getattr(config, "context_parallel_size", 1)
+        groups["dp_cp_group"] = _dp_cp(pg_collection, groups["dp_group"], cp_size)
+        expt_dp = getattr(pg_collection, "expt_dp", None)
+        if expt_dp is None:
+            expt_dp = dist.new_group(ranks=[dist.get_rank()], use_local_synchronization=True)
+        groups["expt_dp_group"] = expt_dp
+        groups.update(_partial_groups(pg_collection, groups, ddp_config, instances))
+        for name in ("tp", "pp", "ep"):
+            groups[f"{name}_group"] = _required(pg_collection, name, "tp, pp and ep are required")
+        return groups
+
+
+def _required(pgs: ProcessGroupCollection, name: str, why: str = "") -> dist.ProcessGroup:
+    if not hasattr(pgs, name):
+        raise ValueError(
+            f"{name} process group is required but not provided in pg_collection"
+            + (f" ({why})" if why else "; set it to None explicitly if you don't need it")
+        )
+    return getattr(pgs, name)
+
+
+def _dp_cp(pgs: ProcessGroupCollection, dp_group, cp_size: int):
+    if hasattr(pgs, "dp_cp"):
+        return pgs.dp_cp
+    if cp_size == 1:
+        return dp_group  # without context parallelism dp_cp is dp
+    raise ValueError(
+        f"dp_cp process group is required when context_parallel_size ({cp_size}) > 1 "
+        f"but not provided in pg_collection"
+    )
+
+
+def _partial_groups(pgs: ProcessGroupCollection, groups: dict, ddp_config, instances: int):
+    if ddp_config is None or instances == 1:
+        return {
+            "intra_dp_cp_group": groups["dp_cp_group"],
+            "intra_expt_dp_group": groups["expt_dp_group"],
+            "inter_dist_opt_group": None,
+        }
+    why = f"num_distributed_optimizer_instances is {instances}"
+    return {
+        "intra_dp_cp_group": _required(pgs, "intra_dp_cp", why),
+        "intra_expt_dp_group": _required(pgs, "intra_expt_dp", why),
+        "inter_dist_opt_group": _required(pgs, "inter_dist_opt", why),
+    }
+
+
+def _ddp_groups_from_parallel_state(ddp_config) -> dict:
+    instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
+    use_dist_opt = getattr(ddp_config, "use_distributed_optimizer", False)
+    return {
+        "dp_group": ps.get_data_parallel_group(),
+        "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
+        "intra_dp_cp_group": ps.get_data_parallel_group(True, partial_data_parallel=True),
+        "expt_dp_group": ps.get_expert_data_parallel_group(),
+        "intra_expt_dp_group": ps.get_expert_data_parallel_group(partial_expert_data_parallel=True),
+        "tp_group": ps.get_tensor_model_parallel_group(),
+        "pp_group": ps.get_pipeline_model_parallel_group(),
+        "ep_group": ps.get_expert_model_parallel_group(),
+        "inter_dist_opt_group": (
+            ps.get_inter_distributed_optimizer_instance_group() if instances > 1 else None
+        ),
+        "intra_dist_opt_group": (
+            ps.get_intra_distributed_optimizer_instance_group() if use_dist_opt else None
+        ),
+    }

@@ -7,6 +7,7 @@ hand-written megatron-core 0.16 tables in test_rank_grid.py), and real collectiv
 import datetime
 import importlib.util
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -385,10 +386,33 @@ def _body_more_getters(tmp_config):
     out["pgs"] = {
         name: _ranks_or_none(getattr(pgs, name)) for name in ("tp", "dp_cp", "ep", "inter_dist_opt")
     }
+    ddp = SimpleNamespace(num_distributed_optimizer_instances=2, use_distributed_optimizer=True)
+    for_ddp = ProcessGroupCollection.setup_process_groups_for_ddp(None, None, ddp)
+    chunk = SimpleNamespace(ddp_config=ddp)
+    for_opt = ProcessGroupCollection.setup_process_groups_for_optimizer(None, [chunk])
+    out["setup"] = (
+        _ranks_or_none(for_ddp["inter_dist_opt_group"]),
+        _ranks_or_none(for_opt["intra_dp_cp_group_gloo"]),
+        _ranks_or_none(for_opt["expt_tp_pp_group"]),
+    )
     ps.update_pg_timeout(datetime.timedelta(minutes=9))
     x = torch.ones(1)
     dist.all_reduce(x, group=ps.get_data_parallel_group(with_context_parallel=True))
     out["after_timeout"] = int(x.item())
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        context_parallel_size=4,
+        hierarchical_context_parallel_sizes=[2, 2],
+        hybrid_context_parallel=True,
+    )
+    out["hcp2"] = [_ranks_or_none(g) for g in ps.get_hierarchical_context_parallel_groups()]
+    out["hybrid"] = [
+        _ranks_or_none(ps.get_hybrid_data_context_parallel_groups(group_size=n)) for n in (2, 4)
+    ]
+    try:
+        ps.get_hybrid_data_context_parallel_groups(group_size=8)
+    except MegatronCoreError as e:
+        out["hybrid8"] = str(e)
     ps.destroy_model_parallel()
     out["after_destroy"] = (
         ps.model_parallel_is_initialized(),
@@ -453,7 +477,15 @@ def test_split_rank_nccl_options_partial_groups_and_more_getters(tmp_path):
         assert out["buffer"] == (2, 2)
         assert out["pgs"] == {"tp": mine["tp"], "dp_cp": mine["dp-cp"], "ep": mine["ep"],
                               "inter_dist_opt": mine["inter-dist-opt"]}  # fmt: skip
+        assert out["setup"] == (mine["inter-dist-opt"], mine["intra-dp-cp"], mine["tp"])
         assert out["after_timeout"] == 2
+        # cp=4 as [2, 2]: inner pairs [0,1] [2,3], outer pairs [0,2] [1,3]; hybrid sizes 2 and 4.
+        assert out["hcp2"] == [[rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]]
+        assert out["hybrid"] == [[rank - rank % 2, rank - rank % 2 + 1], [0, 1, 2, 3]]
+        assert (
+            "no hybrid data x context parallel group of size 8; sizes created: [2]"
+            in out["hybrid8"]
+        )
         assert out["after_destroy"] == (False, None)
 
 
@@ -487,3 +519,28 @@ def test_process_group_collection_holds_only_what_it_was_given():
         ProcessGroupCollection(tpp=None)
     with pytest.raises(ValueError, match=r"Invalid process groups requested: \['zz'\]"):
         ProcessGroupCollection.use_mpu_process_groups(["tp", "zz"])
+
+
+def test_setup_helpers_with_an_explicit_collection():
+    tp, dp, ep, pp, mp, expt, tep = (object() for _ in range(7))
+    pgs = ProcessGroupCollection(tp=tp, pp=pp, ep=ep, dp=dp, expt_dp=expt, mp=mp, tp_ep_pp=tep)
+    ddp_config = SimpleNamespace(
+        num_distributed_optimizer_instances=1, use_distributed_optimizer=False
+    )
+    groups = ProcessGroupCollection.setup_process_groups_for_ddp(pgs, None, ddp_config)
+    assert groups["dp_cp_group"] is dp and groups["intra_expt_dp_group"] is expt
+    assert (groups["tp_group"], groups["pp_group"], groups["ep_group"]) == (tp, pp, ep)
+    chunk = SimpleNamespace(ddp_config=ddp_config, config=SimpleNamespace(context_parallel_size=1))
+    opt = ProcessGroupCollection.setup_process_groups_for_optimizer(pgs, [chunk], False)
+    assert opt["mp_group"] is mp and opt["expt_tp_pp_group"] is tep
+    assert opt["inter_dist_opt_group"] is None and opt["intra_dist_opt_group"] is None
+    chunk.config.context_parallel_size = 2
+    with pytest.raises(ValueError, match=r"dp_cp process group is required .* \(2\)"):
+        ProcessGroupCollection.setup_process_groups_for_optimizer(pgs, [chunk], False)
+    chunk.ddp_config.num_distributed_optimizer_instances = 2
+    pgs.dp_cp = dp
+    with pytest.raises(ValueError, match="intra_dp_cp process group is required"):
+        ProcessGroupCollection.setup_process_groups_for_optimizer(pgs, [chunk], False)
+    with pytest.raises(ValueError, match="Gloo process groups are not supported"):
+        chunk.ddp_config.num_distributed_optimizer_instances = 1
+        ProcessGroupCollection.setup_process_groups_for_optimizer(pgs, [chunk], True)

@@ -8,6 +8,7 @@ groups ranks by their grid coordinates instead of the prefix-product algorithm t
 import math
 
 import pytest
+import torch
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.parallel_state import (
@@ -365,3 +366,51 @@ def test_embedding_rules_split_rank_and_custom():
 def test_bad_input_raises_named_error(kwargs, message):
     with pytest.raises(MegatronCoreError, match=message):
         compute_rank_layout(8, **kwargs)
+
+
+def reshape_reference(world, axes, vary):
+    """Groups by torch reshaping (an algorithm independent of the library's mixed-radix one).
+
+    ``axes`` lists (name, size) fastest-varying first. The rank tensor is shaped slowest-first;
+    the varying axes are moved last and flattened into one row per group.
+    """
+    names = [n for n, _ in reversed(axes)]
+    ranks = torch.arange(world).reshape([s for _, s in reversed(axes)])
+    fixed = [i for i, n in enumerate(names) if n not in vary]
+    moving = [i for i, n in enumerate(names) if n in vary]
+    size = math.prod(ranks.shape[i] for i in moving)
+    return ranks.permute(fixed + moving).reshape(-1, size).tolist()
+
+
+# megatron-core's own unit tests check its RankGenerator against older, loop-based code at these
+# (nodes, gpus per node, tp, pp, cp, ep) settings; here the reference is reshape_reference.
+LARGE = [
+    (1, 8, 8, 1, 1, 1),
+    (3, 8, 8, 3, 1, 1),
+    (8, 8, 2, 2, 2, 4),
+    (8, 8, 2, 1, 4, 8),
+    (16, 8, 4, 8, 4, 1),
+    (64, 8, 4, 2, 8, 8),
+    (316, 8, 4, 8, 1, 1),
+]
+
+
+@pytest.mark.parametrize("nodes,gpus,tp,pp,cp,ep", LARGE)
+def test_large_worlds_match_reshape_reference(nodes, gpus, tp, pp, cp, ep):
+    world = nodes * gpus
+    dp, expert_dp = world // (tp * pp * cp), world // (tp * ep * pp)
+    layout = compute_rank_layout(world, tp, pp, cp, ep)
+    dense = [("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)]
+    expert = [("tp", tp), ("ep", ep), ("dp", expert_dp), ("pp", pp)]
+    for kind, (grid, vary) in KIND_AXES.items():
+        axes = dense if grid == "dense" else expert
+        assert layout[kind] == reshape_reference(world, axes, vary), kind
+
+
+def test_orders_that_only_move_size_one_axes_agree():
+    # megatron-core's "different initialize order consistency" cases on 8 ranks.
+    for tp, pp, ep in [(1, 8, 1), (2, 4, 1), (4, 2, 1), (8, 1, 1), (4, 1, 2), (1, 1, 8), (2, 1, 4)]:
+        a = compute_rank_layout(8, tp, pp, 1, ep, "tp-ep-dp-pp")
+        b = compute_rank_layout(8, tp, pp, 1, ep, "tp-pp-ep-dp")
+        for kind in ("tp", "dp", "pp", "cp", "mp", "tp-dp", "tp-ep", "expt-dp"):
+            assert a[kind] == b[kind], (tp, pp, ep, kind)

@@ -11,9 +11,10 @@ NOTE [ Mixed precision ]
    which then frees the half-precision ``.grad``. Microbatches therefore accumulate in fp32.
 3. Main weights. The wrapped torch optimizer steps fp32 copies of the parameters (the "main"
    or "master" weights), whose ``.grad`` is the main_grad buffer. After the step the model's
-   parameters are set to the main weights rounded to the model dtype. Gradient clipping and the
-   data-parallel average run on the fp32 main grads (:meth:`MixedPrecisionOptimizer.prepare_grads`
-   returns a module holding the main weights, so the loop's functions take it like the model).
+   parameters are set to the main weights rounded to the model dtype. Gradient reductions
+   (finalize_model_grads reads ``main_grad`` where it exists) and clipping run on the fp32 main
+   grads (:meth:`MixedPrecisionOptimizer.prepare_grads` returns a module holding the main
+   weights, so the loop's clipping takes it like the model).
 4. fp16 loss scaling. The loss is multiplied by the scale before backward; ``prepare_grads``
    divides the main grads by it. :meth:`MixedPrecisionOptimizer.step` looks for inf/nan in the
    main grads of every rank (one all-reduce over the world, so every rank decides alike), skips
@@ -155,7 +156,8 @@ class MixedPrecisionOptimizer:
                     )
                 master = torch.nn.Parameter(param.detach().float())
                 copy_tensor_model_parallel_attributes(master, param)
-                master.sequence_parallel = getattr(param, "sequence_parallel", False)
+                for attribute in ("sequence_parallel", "shared"):  # read by finalize/clip
+                    setattr(master, attribute, getattr(param, attribute, False))
                 param.main_grad = torch.zeros_like(param, dtype=torch.float32)
                 param.register_post_accumulate_grad_hook(_fold_grad_into_main_grad)
                 self._model_params.append(param)
