@@ -103,7 +103,11 @@ def _snapshot(result):
     opt = result.optimizer.state_dict()
     return {
         "losses": result.losses,
-        "model": {k: v.detach().clone() for k, v in result.model.state_dict().items()},
+        "model": {
+            k: v.detach().clone()
+            for k, v in result.model.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        },
         "main_params": opt["main_params"],
         "adam": {i: {k: v.clone() for k, v in s.items()} for i, s in opt["state"].items()},
     }
