@@ -400,6 +400,20 @@ def _body_more_getters(tmp_config):
     dist.all_reduce(x, group=ps.get_data_parallel_group(with_context_parallel=True))
     out["after_timeout"] = int(x.item())
     ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        context_parallel_size=4,
+        hierarchical_context_parallel_sizes=[2, 2],
+        hybrid_context_parallel=True,
+    )
+    out["hcp2"] = [_ranks_or_none(g) for g in ps.get_hierarchical_context_parallel_groups()]
+    out["hybrid"] = [
+        _ranks_or_none(ps.get_hybrid_data_context_parallel_groups(group_size=n)) for n in (2, 4)
+    ]
+    try:
+        ps.get_hybrid_data_context_parallel_groups(group_size=8)
+    except MegatronCoreError as e:
+        out["hybrid8"] = str(e)
+    ps.destroy_model_parallel()
     out["after_destroy"] = (
         ps.model_parallel_is_initialized(),
         ps.get_tensor_model_parallel_group(check_initialized=False),
@@ -465,6 +479,13 @@ def test_split_rank_nccl_options_partial_groups_and_more_getters(tmp_path):
                               "inter_dist_opt": mine["inter-dist-opt"]}  # fmt: skip
         assert out["setup"] == (mine["inter-dist-opt"], mine["intra-dp-cp"], mine["tp"])
         assert out["after_timeout"] == 2
+        # cp=4 as [2, 2]: inner pairs [0,1] [2,3], outer pairs [0,2] [1,3]; hybrid sizes 2 and 4.
+        assert out["hcp2"] == [[rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]]
+        assert out["hybrid"] == [[rank - rank % 2, rank - rank % 2 + 1], [0, 1, 2, 3]]
+        assert (
+            "no hybrid data x context parallel group of size 8; sizes created: [2]"
+            in out["hybrid8"]
+        )
         assert out["after_destroy"] == (False, None)
 
 
