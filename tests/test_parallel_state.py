@@ -577,3 +577,23 @@ def test_setup_helpers_with_an_explicit_collection():
     with pytest.raises(ValueError, match="Gloo process groups are not supported"):
         chunk.ddp_config.num_distributed_optimizer_instances = 1
         ProcessGroupCollection.setup_process_groups_for_optimizer(pgs, [chunk], True)
+
+
+def _body_expert_rng(etp):
+    from megatron_core import tensor_parallel
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_tensor_parallel_size=etp)
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    with tensor_parallel.get_cuda_rng_tracker().fork("expert-parallel-rng"):
+        draw = torch.rand(4)
+    report = tensor_parallel.audit_rng_streams(raise_on_violation=True)
+    return draw, ps.get_expert_tensor_parallel_rank(), report.ok
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_expert_rng_stream_follows_the_expert_tensor_parallel_rank(etp):
+    # seed + 1024 + 100 * ep_rank + etp_rank: with etp = 1 both tensor ranks hold the same expert
+    # shard and must draw the same numbers; with etp = 2 they hold different shards.
+    (draw0, etp0, ok0), (draw1, etp1, ok1) = run_distributed(_body_expert_rng, 2, etp)
+    assert (etp0, etp1) == ((0, 0) if etp == 1 else (0, 1)) and ok0 and ok1
+    assert torch.equal(draw0, draw1) == (etp == 1)
