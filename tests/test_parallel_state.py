@@ -597,3 +597,19 @@ def test_expert_rng_stream_follows_the_expert_tensor_parallel_rank(etp):
     (draw0, etp0, ok0), (draw1, etp1, ok1) = run_distributed(_body_expert_rng, 2, etp)
     assert (etp0, etp1) == ((0, 0) if etp == 1 else (0, 1)) and ok0 and ok1
     assert torch.equal(draw0, draw1) == (etp == 1)
+
+
+def test_nccl_options_from_a_config():
+    cfgs = {}
+    ps.overwrite_nccl_comm_cfgs(cfgs, "tp", ("is_high_priority_stream", True))
+    ps.overwrite_nccl_comm_cfgs(cfgs, "tp", ("max_ctas", 8))
+    assert cfgs == {"tp": {"is_high_priority_stream": True, "max_ctas": 8}}
+    assert ps.get_nccl_options("dp", cfgs) is None  # no entry: NCCL's defaults
+    with pytest.raises(MegatronCoreError, match=r"net_name \('carrier-pigeon'\)"):
+        ps.get_nccl_options("ep", {"ep": {"net_name": "carrier-pigeon"}})
+    if dist.is_nccl_available():
+        options = ps.get_nccl_options("tp", cfgs)
+        assert options.is_high_priority_stream and options.config.max_ctas == 8
+    else:  # CPU-only torch: a clear error instead of an AttributeError deep in torch
+        with pytest.raises(MegatronCoreError, match="need NCCL, which this torch build lacks"):
+            ps.get_nccl_options("tp", cfgs)
