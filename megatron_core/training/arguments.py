@@ -12,6 +12,7 @@ import os
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.training.data import DEFAULT_CORPUS_DESCRIPTION
+from megatron_core.training.pipeline_step import check_pipeline_args, check_pipeline_microbatches
 
 __all__ = ["build_parser", "parse_args", "validate_args", "data_parallel_size"]
 
@@ -62,7 +63,15 @@ _ARGUMENTS = [
                 "--pipeline-model-parallel-size",
                 1,
                 _POS,
-                "pipeline stages; must be 1 (the groups exist, pipeline schedules do not)",
+                "pipeline stages (1F1B schedule; layers split evenly, embedding on the first, "
+                "loss on the last)",
+            ),
+            (
+                "--num-layers-per-virtual-pipeline-stage",
+                None,
+                _POS,
+                "layers per model chunk: vp = num layers / (pp * this) chunks per stage, run by "
+                "the interleaved 1F1B schedule (None: no interleaving)",
             ),
             (
                 "--sequence-parallel",
@@ -95,6 +104,22 @@ _ARGUMENTS = [
                 {"choices": ["cpu", "cuda"]},
                 "cpu trains with gloo, cuda with nccl (one GPU per rank)",
             ),
+        ],
+    ),
+    (
+        "mixed precision (see megatron_core/training/mixed_precision.py)",
+        [
+            ("--bf16", False, _FLAG, "bf16 weights and activations, fp32 main grads and weights"),
+            (
+                "--fp16",
+                False,
+                _FLAG,
+                "fp16 weights and activations, fp32 main grads and weights, dynamic loss scaling",
+            ),
+            ("--initial-loss-scale", 2.0**16, _FLOAT, "fp16: the first loss scale"),
+            ("--min-loss-scale", 1.0, _FLOAT, "fp16: the loss scale never goes below this"),
+            ("--loss-scale-window", 1000, _POS, "fp16: clean iterations before the scale doubles"),
+            ("--hysteresis", 2, _POS, "fp16: overflows tolerated before the scale halves"),
         ],
     ),
     (
@@ -193,11 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         MegatronCoreError: a value or combination that no world size makes valid.
     """
     args = build_parser().parse_args(argv)
-    if args.pipeline_model_parallel_size != 1:
-        raise MegatronCoreError(
-            f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size}) must be 1: "
-            "megatron_core builds pipeline groups but has no pipeline schedules to train with"
-        )
+    check_pipeline_args(args)
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
             raise MegatronCoreError(
@@ -209,6 +230,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.lr_warmup_iters < 0:
         raise MegatronCoreError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be >= 0")
+    if args.bf16 and args.fp16:
+        raise MegatronCoreError("--bf16 and --fp16 exclude each other: choose one")
+    if (args.bf16 or args.fp16) and args.pipeline_model_parallel_size > 1:
+        raise MegatronCoreError(
+            f"--{'bf16' if args.bf16 else 'fp16'} with --pipeline-model-parallel-size "
+            f"({args.pipeline_model_parallel_size}) > 1 is not supported yet (the pipeline "
+            "schedule does not scale the loss or send half-precision activations); use pp 1"
+        )
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        raise MegatronCoreError(
+            f"--min-loss-scale ({args.min_loss_scale}) must be > 0 and <= --initial-loss-scale "
+            f"({args.initial_loss_scale})"
+        )
     if args.distributed_timeout_minutes <= 0:
         raise MegatronCoreError(
             f"--distributed-timeout-minutes ({args.distributed_timeout_minutes}) must be > 0"
@@ -286,3 +320,4 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
             f"--micro-batch-size ({args.micro_batch_size}) * data-parallel size ({dp})"
         )
+    check_pipeline_microbatches(args, args.global_batch_size // step)

@@ -20,17 +20,23 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import device, parallel_state
+from megatron_core.distributed import finalize_model_grads
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.layers import (
-    allreduce_sequence_parallel_grads,
-    param_is_not_tensor_parallel_duplicate,
-)
+from megatron_core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_core.tensor_parallel.memory import count_saved_activations
 from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_core.training.arguments import validate_args
 from megatron_core.training.checkpoint import load_checkpoint, save_checkpoint
 from megatron_core.training.data import VOCAB_SIZE, ByteCorpus, get_batch
 from megatron_core.training.launcher import RENDEZVOUS_ENV
+from megatron_core.training.mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
+from megatron_core.training.pipeline_step import (
+    build_pipeline_model,
+    model_chunks,
+    pipeline_forward_backward,
+    reseed_stage,
+    virtual_pipeline_size,
+)
 from megatron_core.training.progress import Progress
 from megatron_core.transformer import GPTModel, TransformerConfig
 
@@ -128,6 +134,8 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
     return TransformerConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
+        pipeline_dtype=torch.float32 if args.pipeline_model_parallel_size > 1 else None,
         sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=True,
         num_layers=args.num_layers,
@@ -141,19 +149,33 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         distribute_saved_activations=args.distribute_saved_activations,
+        **_precision_options(args),
     )
+
+
+def _precision_options(args: argparse.Namespace) -> dict:
+    """--bf16 / --fp16: half-precision params, fp32 main_grad fusion (NOTE [ Mixed precision ])."""
+    if not (args.bf16 or args.fp16):
+        return {}
+    dtype = torch.bfloat16 if args.bf16 else torch.float16
+    return {"bf16": args.bf16, "fp16": args.fp16, "params_dtype": dtype,
+            "gradient_accumulation_fusion": True}  # fmt: skip
 
 
 def build_model_and_optimizer(args: argparse.Namespace, config: TransformerConfig):
     """The GPTModel on the current device and an AdamW over its local parameters.
 
-    Biases and LayerNorm parameters (1-D) get no weight decay. Needs parallel_state initialized
-    and the RNG seeded.
+    Under pipeline parallelism the model is this stage's chunk, or a ModuleList of its chunks
+    when interleaved (``pipeline_step.build_pipeline_model``). Biases and LayerNorm parameters
+    (1-D) get no weight decay. Needs parallel_state initialized and the RNG seeded.
     """
     vocab = padded_vocab_size(
         VOCAB_SIZE, args.make_vocab_size_divisible_by, config.tensor_model_parallel_size
     )
-    model = GPTModel(config, vocab, args.seq_length).to(device.current_device())
+    if config.pipeline_model_parallel_size > 1:
+        model = build_pipeline_model(config, vocab, args.seq_length)
+    else:
+        model = GPTModel(config, vocab, args.seq_length).to(device.current_device())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -164,6 +186,14 @@ def build_model_and_optimizer(args: argparse.Namespace, config: TransformerConfi
         lr=args.lr,
         betas=(args.adam_beta1, args.adam_beta2),
     )
+    if config.bf16 or config.fp16:  # fp32 main weights (NOTE [ Mixed precision ])
+        scaler = None
+        if config.fp16:
+            scaler = DynamicLossScaler(
+                args.initial_loss_scale, args.min_loss_scale,
+                growth_interval=args.loss_scale_window, hysteresis=args.hysteresis,
+            )  # fmt: skip
+        optimizer = MixedPrecisionOptimizer(optimizer, model, scaler)
     return model, optimizer
 
 
@@ -177,25 +207,16 @@ def learning_rate(args: argparse.Namespace, step: int) -> float:
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float) -> None:
-    if not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    flat.mul_(scale)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
 def _finalize_grads(model: torch.nn.Module) -> None:
-    """SP-marked grads summed over TP, then every grad averaged over the data-parallel group."""
-    allreduce_sequence_parallel_grads(model)
-    dp_size = parallel_state.get_data_parallel_world_size()
-    if dp_size > 1:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        _flat_all_reduce(grads, parallel_state.get_data_parallel_group(), 1.0 / dp_size)
+    """SP-marked grads summed over TP, every grad averaged over the data-parallel group, tied
+    embedding grads summed between the first and last pipeline stage (``finalize_model_grads``,
+    NOTE [ Gradient finalization ])."""
+    finalize_model_grads(model_chunks(model))
+
+
+def _counted_once(p: torch.Tensor) -> bool:
+    """Replicated params on TP rank 0 only; the last stage's tied-embedding copy not at all."""
+    return param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False)
 
 
 def _clip_grads(model: torch.nn.Module, max_norm: float) -> float:
@@ -203,7 +224,7 @@ def _clip_grads(model: torch.nn.Module, max_norm: float) -> float:
     params = [p for p in model.parameters() if p.grad is not None]
     squares = torch.zeros((), dtype=torch.float32, device=device.current_device())
     for p in params:
-        if param_is_not_tensor_parallel_duplicate(p):  # replicated params count once
+        if _counted_once(p):  # replicated and tied params count once
             squares += p.grad.float().pow(2).sum()
     dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
     norm = squares.sqrt().item()
@@ -220,16 +241,25 @@ def train_step(model, optimizer, corpus: ByteCorpus, args: argparse.Namespace, s
     num_microbatches = args.global_batch_size // (args.micro_batch_size * dp_size)
     total = torch.zeros((), dtype=torch.float32, device=device.current_device())
     activation_bytes = 0
+    mixed = isinstance(optimizer, MixedPrecisionOptimizer)
+    if args.pipeline_model_parallel_size > 1:  # (--bf16/--fp16 refuse pp > 1: parse_args)
+        total, activation_bytes = pipeline_forward_backward(
+            model, corpus, args, step, num_microbatches
+        )
+        num_microbatches = 0  # the schedule ran them
     for microbatch in range(num_microbatches):
         tokens, labels = get_batch(corpus, args, step, microbatch)
         with count_saved_activations(ignore=model.parameters()) as report:
             loss = model(tokens, labels).mean() / num_microbatches
-        loss.backward()
+        (optimizer.scale_loss(loss) if mixed else loss).backward()
         total += loss.detach()
         activation_bytes = max(activation_bytes, report.total_bytes)
+    # Mixed precision: the fp32 main weights, whose .grad is the (unscaled) main_grad buffer
+    # that finalize_model_grads reduces on the model (NOTE [ Mixed precision ], rule 3).
+    grads_of = optimizer.prepare_grads() if mixed else model
     _finalize_grads(model)
     if args.clip_grad > 0:
-        _clip_grads(model, args.clip_grad)
+        _clip_grads(grads_of, args.clip_grad)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(args, step)
     optimizer.step()
@@ -238,7 +268,7 @@ def train_step(model, optimizer, corpus: ByteCorpus, args: argparse.Namespace, s
 
 
 def _count_parameters(model: torch.nn.Module) -> int:
-    local = sum(p.numel() for p in model.parameters() if param_is_not_tensor_parallel_duplicate(p))
+    local = sum(p.numel() for p in model.parameters() if _counted_once(p))
     count = torch.tensor([local], dtype=torch.int64, device=device.current_device())
     dist.all_reduce(count, group=parallel_state.get_model_parallel_group())
     return int(count.item())
@@ -274,6 +304,8 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
     random.seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     model, optimizer = build_model_and_optimizer(args, config)
+    if args.pipeline_model_parallel_size > 1:
+        reseed_stage(args.seed)
     num_parameters = _count_parameters(model)
     start = 0
     if args.load:
@@ -291,6 +323,11 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
         end = step + 1
         losses[end] = loss
         progress.step(end, loss, learning_rate(args, step), activation_bytes)
+        if getattr(optimizer, "last_step_skipped", False):
+            progress.print(
+                f"iteration {end}: update skipped (fp16 gradient overflow); loss scale now "
+                f"{optimizer.loss_scale:g}, {optimizer.skipped_iterations} skipped so far"
+            )
         if args.exit_interval and end % args.exit_interval == 0:
             progress.print(f"exiting at iteration {end} (--exit-interval {args.exit_interval})")
             break
@@ -300,6 +337,11 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
     if args.save and losses:
         _save(args, end, model, optimizer, progress)
     progress.summary(start, end)
+    if isinstance(optimizer, MixedPrecisionOptimizer) and optimizer.loss_scaler is not None:
+        progress.print(
+            f"fp16: {optimizer.skipped_iterations} skipped iterations, final loss scale "
+            f"{optimizer.loss_scale:g}"
+        )
     return TrainingResult(
         losses=losses,
         start_iteration=start,
@@ -334,6 +376,7 @@ def train(args: argparse.Namespace) -> TrainingResult:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
     )
     try:
         return _run(args, config, corpus)
