@@ -212,6 +212,7 @@ def _body_errors(world_size):
     expect(ps.initialize_model_parallel, use_sharp=True, sharp_enabled_group="tp")
     expect(ps.initialize_model_parallel, pipeline_model_parallel_comm_backend="mpi")
     expect(ps.initialize_model_parallel, distributed_timeout_minutes=0)
+    expect(ps.initialize_model_parallel, high_priority_stream_groups="dp_cp")
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     expect(ps.initialize_model_parallel)  # twice without destroy
     expect(ps.get_data_parallel_group, partial_data_parallel=True)
@@ -236,9 +237,10 @@ def test_bad_input_raises_on_every_rank_without_hanging():
         assert "sharp_enabled_group ('tp') must be 'dp' or 'dp_replica'" in messages[8]
         assert "pipeline_model_parallel_comm_backend ('mpi')" in messages[9]
         assert "distributed_timeout_minutes (0)" in messages[10]
-        assert "called twice" in messages[11]
-        assert "partial_data_parallel=True needs with_context_parallel=True" in messages[12]
-        assert messages[13] == 4
+        assert "high_priority_stream_groups ('dp_cp') must be a list" in messages[11]
+        assert "called twice" in messages[12]
+        assert "partial_data_parallel=True needs with_context_parallel=True" in messages[13]
+        assert messages[14] == 4
 
 
 def test_initialize_without_torch_distributed_raises():
