@@ -211,3 +211,27 @@ def test_tied_embedding_copy_is_marked_shared_and_counted_once():
     assert first_pre and not first_shared
     assert not last_pre and last_shared
     assert first == last == whole
+
+
+def _activation_bytes():
+    """(peak saved bytes of one microbatch without, with distributed saved activations)."""
+    results = []
+    for distribute in (False, True):
+        full = {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+            "distribute_saved_activations": distribute,
+        }
+        args = parse_args(_argv(**PP2, tensor_model_parallel_size=2, train_iters=1, **full))
+        results.append(train(args).activation_bytes)
+    return results
+
+
+def test_distributed_saved_activations_keep_one_tp_share_of_checkpoint_inputs():
+    """tp=2 x pp=2, full recompute, one layer per checkpoint: each stage keeps its 2 layers'
+    inputs [s, b, h] fp32; distributed, each rank keeps 1/tp of them, and nothing else changes."""
+    s, b, h, layers_per_stage, tp = 16, 2, 32, 2, 2
+    inputs = layers_per_stage * s * b * h * 4
+    for rank, (full, distributed) in enumerate(run_distributed(_activation_bytes, 4, timeout=300)):
+        assert full - distributed == inputs - inputs // tp, rank

@@ -28,6 +28,7 @@ from megatron_core.pipeline_parallel import (
     get_forward_backward_func,
     interleaved_warmup_microbatches,
 )
+from megatron_core.tensor_parallel.memory import count_saved_activations
 from megatron_core.testing import NO_REUSE_ENV, run_distributed
 
 LAYERS, HIDDEN, SEQ, BATCH = 8, 6, 3, 2
@@ -411,3 +412,51 @@ def test_ring_exchange_both_directions(world_size, batch_p2p):
         assert prev == float((r - 1) % world_size)
         assert nxt == 100.0 + (r + 1) % world_size
         assert requires_grad
+
+
+# --- activation memory: in-flight microbatches per schedule -------------------------------------
+
+
+def _one_microbatch_bytes(chunk, x, target) -> int:
+    """Saved bytes of one microbatch's forward (and loss, on the last stage) through ``chunk``."""
+    if not chunk.pre_process:
+        chunk.set_input_tensor(torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True))
+    with count_saved_activations(ignore=chunk.parameters()) as report:
+        out = chunk(x)
+        if chunk.post_process:
+            ((out - target) ** 2).mean()
+    return report.total_bytes
+
+
+def _peak_in_flight(pp, ms):
+    """Per m: (peak saved bytes during 1F1B on this stage in units of one microbatch's bytes,
+    bytes still held after the step)."""
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    (chunk,), _ = _chunks(_config(deallocate_pipeline_outputs=True), pp, 1, rank)
+    _, x, target = _data(1)[0]
+    per_microbatch = _one_microbatch_bytes(chunk, x, target)
+    results = []
+    for m in ms:
+        with count_saved_activations(ignore=chunk.parameters()) as report:
+            get_forward_backward_func()(
+                forward_step_func=_forward_step,
+                data_iterator=iter(_data(m)),
+                model=chunk,
+                num_microbatches=m,
+                seq_length=SEQ,
+                micro_batch_size=BATCH,
+            )
+        results.append((report.peak_held_bytes / per_microbatch, report.held_bytes))
+    return results
+
+
+@pytest.mark.parametrize("world_size, ms", [(1, [6]), (2, [6]), (4, [8, 2])])
+def test_1f1b_keeps_at_most_pp_microbatches_in_flight(world_size, ms):
+    # NOTE [ 1F1B ], rule 3: stage r holds min(pp - r, m) microbatches' activations at its peak,
+    # however many microbatches the step has (no pipelining: one at a time).
+    per_rank = run_distributed(_peak_in_flight, world_size, world_size, ms, timeout=60)
+    for rank, results in enumerate(per_rank):
+        for m, (in_flight, held_after) in zip(ms, results):
+            assert in_flight == min(world_size - rank, m), (rank, m, in_flight)
+            assert held_after == 0  # every microbatch's graph was freed by its backward
