@@ -460,3 +460,26 @@ def test_1f1b_keeps_at_most_pp_microbatches_in_flight(world_size, ms):
         for m, (in_flight, held_after) in zip(ms, results):
             assert in_flight == min(world_size - rank, m), (rank, m, in_flight)
             assert held_after == 0  # every microbatch's graph was freed by its backward
+
+
+def _bad_send():
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    p2p = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), _config())
+    if not p2p.is_pp_first_stage:
+        return None  # the first stage must fail before posting anything: nothing to receive
+    errors = []
+    for tensor, shape in (
+        (torch.zeros(SEQ, BATCH, HIDDEN, dtype=torch.bfloat16), None),
+        (torch.zeros(SEQ, BATCH, HIDDEN + 1), (SEQ, BATCH, HIDDEN)),
+    ):
+        try:
+            p2p.send_forward_recv_backward(tensor, shape or (SEQ, BATCH, HIDDEN), False)
+        except MegatronCoreError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_sent_tensor_must_match_pipeline_dtype_and_shape():
+    errors, _ = run_distributed(_bad_send, 2, timeout=30)
+    assert "dtype torch.bfloat16 but config.pipeline_dtype is torch.float32" in errors[0]
+    assert "shape (3, 2, 7) but the pipeline's tensor_shape is (3, 2, 6)" in errors[1]
