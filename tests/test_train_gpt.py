@@ -57,7 +57,7 @@ def _argv(**options) -> list[str]:
 
 def _train(argv: list[str]) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     result = train(parse_args(argv))
-    state = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in result.model.state_dict().items() if v is not None}
     return result.losses, state
 
 
@@ -295,14 +295,14 @@ def _failed_load(directory: str, tp: int):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(args.seed)
     model, optimizer = build_model_and_optimizer(args, model_config(args))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
     rng_before = torch.get_rng_state()
     try:
         load_checkpoint(directory, model, optimizer)
         message = None
     except MegatronCoreError as exc:
         message = str(exc)
-    unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    unchanged = all(torch.equal(before[k], model.state_dict()[k]) for k in before)
     unchanged = unchanged and not optimizer.state and torch.equal(rng_before, torch.get_rng_state())
     parallel_state.destroy_model_parallel()
     return message, unchanged

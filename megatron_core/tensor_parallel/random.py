@@ -58,6 +58,10 @@ import torch
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.rng_graphs import (  # megatron-core's import path
+    convert_cuda_rng_state,
+    is_graph_safe_cuda_rng_tracker,
+)
 
 __all__ = [
     "CudaRNGStatesTracker",
@@ -72,6 +76,8 @@ __all__ = [
     "RNGSnapshot",
     "get_rng_snapshot",
     "set_rng_snapshot",
+    "convert_cuda_rng_state",
+    "is_graph_safe_cuda_rng_tracker",
 ]
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"

@@ -170,6 +170,8 @@ def _check_model(path: Path, saved: dict[str, torch.Tensor], model: torch.nn.Mod
         missing, extra = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
         raise MegatronCoreError(f"{path}: parameters missing {missing}, unexpected {extra}")
     for name, tensor in own.items():
+        if not torch.is_tensor(tensor):  # e.g. a layer's _extra_state (None, as in megatron-core)
+            continue
         if saved[name].shape != tensor.shape or saved[name].dtype != tensor.dtype:
             raise MegatronCoreError(
                 f"{path}: {name} is {saved[name].dtype} {list(saved[name].shape)}, the model "

@@ -79,7 +79,7 @@ class TransformerConfig(ModelParallelConfig):
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
-    distribute_saved_activations: bool | None = None
+    distribute_saved_activations: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -201,8 +201,9 @@ class GPTModel(torch.nn.Module):
             self.embedding.weight,
             None,
             gradient_accumulation_fusion=False,
-            allreduce_dgrad=self.config.tensor_model_parallel_size > 1 and not sequence_parallel,
+            allreduce_dgrad=self.embedding.tp_size > 1 and not sequence_parallel,
             sequence_parallel=sequence_parallel,
+            tp_group=self.embedding.tp_group,
         )  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
