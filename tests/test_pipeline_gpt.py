@@ -60,6 +60,8 @@ def _state_of(model) -> dict:
     state = {}
     for chunk in model_chunks(model):
         for key, value in chunk.state_dict().items():
+            if not isinstance(value, torch.Tensor):
+                continue  # _extra_state entries
             if key.startswith("decoder.layers."):
                 index, rest = key[len("decoder.layers.") :].split(".", 1)
                 key = f"decoder.layers.{int(index) + chunk.layer_offset}.{rest}"

@@ -118,9 +118,9 @@ def build_pipeline_model(config: TransformerConfig, vocab_size: int, seq_length:
                 (vp or 1) - 1
             )
             chunk = GPTModel(bare, vocab_size, seq_length, first, last, vp_stage)
-            with torch.no_grad():
-                for key, tensor in chunk.state_dict().items():
-                    tensor.copy_(state[_global_key(key, chunk.layer_offset)])
+            chunk.load_state_dict(
+                {key: state[_global_key(key, chunk.layer_offset)] for key in chunk.state_dict()}
+            )
             chunks.append(chunk.to(device.current_device()))
     del state
     return chunks[0] if vp is None else torch.nn.ModuleList(chunks)
