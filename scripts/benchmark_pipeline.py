@@ -13,11 +13,13 @@ and one training step runs through ``get_forward_backward_func()`` twice:
    rule 3); ``in flight`` divides it by one microbatch's forward bytes through the stage's
    chunks (measured alone, first), so it counts microbatches whose activations are alive at once.
 2. Time: every chunk's forward sleeps ``forward_ms / vp`` and its backward ``2 * forward_ms / vp``
-   on top of its real (small) compute, so a stage's work per microbatch is ~3 * forward_ms
-   whatever the machine's load (sleeping needs no CPU). The bubble is the share of the step's
-   wall time that the stage spends waiting in p2p calls (``P2PCommunicator`` is wrapped to time
-   them), averaged over stages, next to theory: 1F1B (pp - 1) / (m + pp - 1), interleaved
-   (pp - 1) / (vp * m + pp - 1) (Narayanan et al. 2021, section 2.2).
+   on top of its real (small) compute, so a stage's planned work per step is m * 3 * forward_ms
+   whatever the machine's load (sleeping needs no CPU). ``idle`` is 1 - planned work / wall
+   time of the step (slowest stage): the bubble plus everything that is not planned work (the
+   p2p exchanges' own latency, the tiny GPT's real compute). Theory, for the bubble alone:
+   1F1B (pp - 1) / (m + pp - 1), interleaved (pp - 1) / (vp * m + pp - 1) (Narayanan et al.
+   2021, section 2.2). ``p2p s`` is the stage's time inside p2p calls and ``exchanges`` their
+   number: interleaving makes vp times as many, each paying the transport's latency.
 
 The numbers go to stdout as a markdown table (copied into BENCHMARKS.md).
 """
@@ -63,9 +65,9 @@ class _Sleep(torch.autograd.Function):
 
 
 class _TimedP2P(P2PCommunicator):
-    """P2PCommunicator that adds the wall time of every exchange to ``waited``."""
+    """P2PCommunicator that counts its exchanges and adds their wall time to ``waited``."""
 
-    waited = 0.0
+    waited, exchanges = 0.0, 0
 
     def _communicate(self, *args, **kwargs):
         start = time.perf_counter()
@@ -73,6 +75,7 @@ class _TimedP2P(P2PCommunicator):
             return super()._communicate(*args, **kwargs)
         finally:
             self.waited += time.perf_counter() - start
+            self.exchanges += 1
 
 
 def _build(opts, pp, vp):
@@ -165,7 +168,14 @@ def _measure(opts, pp, vp, ms):
         for c in chunks:
             c.zero_grad(set_to_none=True)
         rows.append(
-            (m, report.peak_held_bytes, report.peak_held_bytes / per_microbatch, p2p.waited, wall)
+            (
+                m,
+                report.peak_held_bytes,
+                report.peak_held_bytes / per_microbatch,
+                p2p.waited,
+                wall,
+                p2p.exchanges,
+            )  # fmt: skip
         )
     return rows
 
@@ -202,9 +212,9 @@ def main(argv=None) -> None:
     )
     print(
         "| schedule | pp | vp | m | stage | peak saved KiB | in flight (expected) "
-        "| bubble measured | bubble theory |"
+        "| exchanges | p2p s | step s | idle | bubble theory |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for pp in opts.pp:
         for vp in [None] if pp == 1 else [None, opts.vp]:
             if vp is not None and (
@@ -215,14 +225,18 @@ def main(argv=None) -> None:
             per_rank = run_distributed(_measure, pp, opts, pp, vp, opts.microbatches, timeout=600)
             for i, m in enumerate(opts.microbatches):
                 wall = max(rows[i][4] for rows in per_rank)
-                bubble = sum(rows[i][3] for rows in per_rank) / (pp * wall)
+                idle = 1 - m * 3 * opts.forward_ms / 1e3 / wall
                 for rank, rows in enumerate(per_rank):
-                    _, peak, in_flight, _, _ = rows[i]
+                    _, peak, in_flight, waited, _, exchanges = rows[i]
                     expected = _expected_in_flight(pp, vp, m, rank) if pp > 1 else 1
                     print(
                         f"| {name} | {pp} | {vp or '-'} | {m} | {rank} | {peak / 1024:.1f} "
-                        f"| {in_flight:.2f} ({expected:g}) | "
-                        + (f"{bubble:.3f} | {_theory(pp, vp, m):.3f} |" if rank == 0 else "| |")
+                        f"| {in_flight:.2f} ({expected:g}) | {exchanges} | {waited:.2f} | "
+                        + (
+                            f"{wall:.2f} | {idle:.3f} | {_theory(pp, vp, m):.3f} |"
+                            if rank == 0
+                            else "| | |"
+                        )
                     )
 
 

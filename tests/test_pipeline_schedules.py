@@ -28,6 +28,7 @@ from megatron_core.pipeline_parallel import (
     get_forward_backward_func,
     interleaved_warmup_microbatches,
 )
+from megatron_core.process_groups_config import ProcessGroupCollection
 from megatron_core.tensor_parallel.memory import count_saved_activations
 from megatron_core.testing import NO_REUSE_ENV, run_distributed
 
@@ -126,7 +127,7 @@ def _chunks(config, pp, vp, rank):
     return chunks, per
 
 
-def _run_config(pp, vp, m, batch_p2p, deallocate, forward_only=False):
+def _run_config(pp, vp, m, batch_p2p, deallocate, forward_only=False, use_pgc=False):
     """Run one schedule on this rank; return (losses, {global layer index: (w.grad, b.grad)})."""
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp
@@ -145,6 +146,7 @@ def _run_config(pp, vp, m, batch_p2p, deallocate, forward_only=False):
             seq_length=SEQ,
             micro_batch_size=BATCH,
             forward_only=forward_only,
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups() if use_pgc else None,
         )
         grads = {}
         for c, chunk in enumerate(chunks):
@@ -178,6 +180,9 @@ CASES = {
         (4, 2, 8, True, False),
         (4, 2, 4, False, True),
         (2, None, 3, True, False),  # pp=2 x dp=2
+        (4, None, 4, True, False, True),  # forward only
+        (4, 2, 4, True, True, True, True),  # forward only, groups from a ProcessGroupCollection
+        (4, None, 5, False, False, False, True),
     ],
 }
 
@@ -185,7 +190,8 @@ CASES = {
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_schedules_match_one_process(world_size):
     per_rank = run_distributed(_compare_all, world_size, CASES[world_size], timeout=120)
-    for index, (pp, vp, m, *_) in enumerate(CASES[world_size]):
+    for index, (pp, vp, m, *flags) in enumerate(CASES[world_size]):
+        forward_only = len(flags) > 2 and flags[2]
         ref_layers, ref_losses = _reference(m)
         seen = set()
         for rank in range(world_size):
@@ -195,6 +201,9 @@ def test_schedules_match_one_process(world_size):
                 torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
             else:
                 assert losses == []
+            if forward_only:
+                assert grads == {}
+                seen.update(range(LAYERS))
             for i, (w, b) in grads.items():
                 torch.testing.assert_close(w, ref_layers[i].weight.grad)
                 torch.testing.assert_close(b, ref_layers[i].bias.grad)
