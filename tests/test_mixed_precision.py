@@ -141,8 +141,6 @@ def _resume_reference(argv):
 def test_bf16_and_fp16_exclude_each_other():
     with pytest.raises(MegatronCoreError, match="--bf16 and --fp16"):
         parse_args(["--bf16", "--fp16"])
-    with pytest.raises(MegatronCoreError, match=r"--pipeline-model-parallel-size \(2\) > 1"):
-        parse_args(["--bf16", "--pipeline-model-parallel-size", "2"])
     with pytest.raises(MegatronCoreError, match=r"--min-loss-scale \(8.0\)"):
         parse_args(["--fp16", "--initial-loss-scale", "4", "--min-loss-scale", "8"])
 
@@ -205,3 +203,28 @@ def test_optimizer_refuses_fp32_params_and_mismatched_state():
         opt.load_state_dict({**state, "main_params": {"weight": state["main_params"]["weight"]}})
     with pytest.raises(MegatronCoreError, match="loss_scaler"):
         opt.load_state_dict({**state, "loss_scaler": DynamicLossScaler().state_dict()})
+
+
+def test_checkpoint_hooks_round_trip():
+    """The hooks training/checkpoint.py's DCP path calls (NOTE [ Checkpoint keys ], rule 4)."""
+    model = torch.nn.Linear(4, 3).to(torch.float16)
+    opt = MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, DynamicLossScaler(64.0, hysteresis=1)
+    )
+    pairs = opt.checkpoint_param_pairs()
+    assert [p for p, _ in pairs] == list(model.parameters())
+    assert all(m.dtype == torch.float32 and m.shape == p.shape for p, m in pairs)
+    opt.loss_scaler.update(True)
+    opt.skipped_iterations = 3
+    extra = opt.checkpoint_extra_state()
+    other = MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, DynamicLossScaler(1024.0)
+    )
+    other.load_checkpoint_extra_state(extra)
+    assert other.loss_scale == 32.0 and other.skipped_iterations == 3
+    assert other.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
+    bf16 = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    no_scaler = MixedPrecisionOptimizer(torch.optim.SGD(bf16.parameters(), lr=0.1), bf16)
+    assert no_scaler.checkpoint_extra_state() == {}
+    with pytest.raises(MegatronCoreError, match="--fp16 and --bf16 checkpoints do not mix"):
+        no_scaler.load_checkpoint_extra_state(extra)

@@ -234,6 +234,39 @@ class MixedPrecisionOptimizer:
                 param.copy_(master)
         return True
 
+    # The hooks of the training checkpoint (NOTE [ Checkpoint keys ], rule 4, in
+    # training/checkpoint_state.py): main weights saved cut like their parameters, the loss
+    # scaler as extra tensors.
+    def checkpoint_param_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, its fp32 main weight) for every parameter this optimizer steps."""
+        return list(zip(self._model_params, self.main_module))
+
+    def checkpoint_extra_state(self) -> dict[str, torch.Tensor]:
+        """The loss scaler's state and the skipped-iteration count as fp64 scalars ({} for bf16)."""
+        if self.loss_scaler is None:
+            return {}
+        values = {**self.loss_scaler.state_dict(), "skipped_iterations": self.skipped_iterations}
+        return {f"loss_scaler.{k}": torch.tensor(float(v), dtype=torch.float64) for k, v in
+                values.items()}  # fmt: skip
+
+    def load_checkpoint_extra_state(self, extra: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`checkpoint_extra_state`'s tensors.
+
+        Raises:
+            MegatronCoreError: the checkpoint has a loss scaler and this run has none (or the
+                other way round).
+        """
+        values = {k.removeprefix("loss_scaler."): float(v) for k, v in extra.items()}
+        if (not values) != (self.loss_scaler is None):
+            raise MegatronCoreError(
+                f"MixedPrecisionOptimizer: checkpoint loss scaler state {sorted(values)}, this "
+                f"run {'has none' if self.loss_scaler is None else 'uses --fp16'} (--fp16 and "
+                "--bf16 checkpoints do not mix)"
+            )
+        if self.loss_scaler is not None:
+            self.skipped_iterations = int(values.pop("skipped_iterations", 0))
+            self.loss_scaler.load_state_dict(values)
+
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus ``main_params`` and ``loss_scaler`` (rule 5)."""
         state = self.optimizer.state_dict()
