@@ -36,12 +36,29 @@ class GPTModel(torch.nn.Module):
         config: the model's TransformerConfig.
         vocab_size: V, already padded to a multiple of the TP size.
         max_sequence_length: rows of the position embedding.
+        true_vocab_size: the vocabulary before padding (None: ``vocab_size``, megatron's
+            behaviour). When smaller, the logits of the padding ids are -inf (the loss and the
+            returned logits no longer depend on how much padding the TP size needed), and
+            checkpoints store only the true rows of the embedding (the weight carries
+            ``unpadded_partition_size``, read by megatron_core.training.checkpoint).
     """
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        true_vocab_size: int | None = None,
+    ):
         super().__init__()
+        if true_vocab_size is not None and not 0 < true_vocab_size <= vocab_size:
+            raise MegatronCoreError(
+                f"GPTModel: true_vocab_size ({true_vocab_size}) must be in [1, vocab_size "
+                f"({vocab_size})]"
+            )
         self.config = config
         self.vocab_size = vocab_size
+        self.true_vocab_size = vocab_size if true_vocab_size is None else true_vocab_size
         self.max_sequence_length = max_sequence_length
         self.embedding = VocabParallelEmbedding(
             vocab_size,
@@ -60,6 +77,8 @@ class GPTModel(torch.nn.Module):
         # Under SP each rank uses only its positions: the gradient is partial (all-reduce it).
         self.position_embeddings.weight.sequence_parallel = config.sequence_parallel
         self.decoder = TransformerBlock(config)
+        if self.true_vocab_size < vocab_size:
+            self.embedding.weight.unpadded_partition_size = self.true_vocab_size
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]
@@ -100,6 +119,15 @@ class GPTModel(torch.nn.Module):
                 f"{tuple(input_ids.shape)}"
             )
 
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """-inf at the ids >= true_vocab_size in this rank's vocabulary columns [.., V/tp]."""
+        if self.true_vocab_size == self.vocab_size:
+            return logits
+        part = logits.shape[-1]
+        first = parallel_state.get_tensor_model_parallel_rank() * part
+        ids = torch.arange(first, first + part, device=logits.device)
+        return logits.masked_fill(ids >= self.true_vocab_size, float("-inf"))
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Run the model.
 
@@ -122,6 +150,7 @@ class GPTModel(torch.nn.Module):
             allreduce_dgrad=self.config.tensor_model_parallel_size > 1 and not sequence_parallel,
             sequence_parallel=sequence_parallel,
         )  # [s, b, V/tp]
+        logits = self._mask_padding(logits)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1))
