@@ -1,7 +1,9 @@
-"""Megatron-compatible getters over the one ParallelState (re-exported by parallel_state).
+"""Megatron-compatible getters and setters for tensor, data and context parallelism.
 
-Each getter reads :func:`megatron_core.parallel_state.get_parallel_state`, so every one of them
-raises MegatronCoreError before ``initialize_model_parallel``. Ranks are global unless the name
+Re-exported by :mod:`megatron_core.parallel_state`. Each reads (or, for ``set_*``, writes) the one
+ParallelState. Where megatron-core 0.16 asserts, these raise MegatronCoreError (an AssertionError
+too); where it returns 0 because torch.distributed is not initialized, so do these. Values given to
+``set_*`` win over the groups, before and after initialization. Ranks are global unless the name
 says otherwise; ``*_rank`` without "global" is the index inside the group.
 """
 
@@ -9,354 +11,275 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megatron_core.parallel_state import get_parallel_state as _state
-from megatron_core.parallel_state import model_parallel_is_initialized as _initialized
+from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state import _state
 
 __all__ = [
-    "get_tensor_model_parallel_group",
-    "get_tensor_model_parallel_rank",
-    "get_tensor_model_parallel_world_size",
-    "get_tensor_model_parallel_src_rank",
-    "get_tensor_model_parallel_global_ranks",
-    "get_pipeline_model_parallel_group",
-    "get_pipeline_model_parallel_rank",
-    "get_pipeline_model_parallel_world_size",
-    "get_pipeline_model_parallel_first_rank",
-    "get_pipeline_model_parallel_last_rank",
-    "get_pipeline_model_parallel_next_rank",
-    "get_pipeline_model_parallel_prev_rank",
-    "get_pipeline_model_parallel_split_rank",
-    "is_pipeline_first_stage",
-    "is_pipeline_last_stage",
-    "get_virtual_pipeline_model_parallel_rank",
-    "set_virtual_pipeline_model_parallel_rank",
-    "get_virtual_pipeline_model_parallel_world_size",
-    "get_data_parallel_group",
-    "get_data_parallel_group_gloo",
-    "get_data_parallel_rank",
-    "get_data_parallel_world_size",
-    "get_data_parallel_src_rank",
-    "get_context_parallel_group",
-    "get_context_parallel_rank",
-    "get_context_parallel_world_size",
-    "get_context_parallel_global_ranks",
+    # groups
     "get_model_parallel_group",
+    "get_tensor_model_parallel_group",
+    "get_data_parallel_group",
+    "has_separate_all_gather_group",
+    "get_data_parallel_group_gloo",
+    "get_context_parallel_group",
+    "get_context_parallel_global_ranks",
+    "get_hierarchical_context_parallel_groups",
+    "get_hybrid_data_context_parallel_groups",
+    "get_amax_reduction_group",
+    "get_tensor_and_data_parallel_group",
+    "get_tensor_and_context_parallel_group",
+    # sizes and ranks
+    "set_tensor_model_parallel_world_size",
+    "get_tensor_model_parallel_world_size",
+    "set_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_src_rank",
+    "get_model_parallel_src_rank",
+    "get_data_parallel_src_rank",
+    "get_data_parallel_world_size",
+    "set_data_parallel_rank",
+    "get_data_parallel_rank",
+    "get_context_parallel_world_size",
+    "get_context_parallel_rank",
+    "get_tensor_and_context_parallel_world_size",
+    "get_tensor_and_context_parallel_rank",
+    # extensions (not in megatron-core 0.16)
+    "get_tensor_model_parallel_global_ranks",
     "get_model_parallel_rank",
     "get_model_parallel_world_size",
-    "get_tensor_and_context_parallel_group",
-    "get_tensor_and_context_parallel_rank",
-    "get_tensor_and_context_parallel_world_size",
-    "get_tensor_and_data_parallel_group",
-    "get_expert_model_parallel_group",
-    "get_expert_model_parallel_rank",
-    "get_expert_model_parallel_world_size",
-    "get_tensor_and_expert_parallel_group",
-    "get_tensor_and_expert_parallel_world_size",
-    "get_data_modulo_expert_parallel_group",
-    "get_data_modulo_expert_parallel_rank",
-    "get_data_modulo_expert_parallel_world_size",
-    "get_embedding_group",
-    "get_position_embedding_group",
-    "is_rank_in_embedding_group",
-    "is_rank_in_position_embedding_group",
 ]
 
 
-def _dp_kind(with_context_parallel: bool) -> str:
-    return "dp-cp" if with_context_parallel else "dp"
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
-# --- tensor model parallel -------------------------------------------------------------------
+def _dp_kind(with_context_parallel: bool, partial_data_parallel: bool) -> str:
+    if not with_context_parallel:
+        if partial_data_parallel:
+            raise MegatronCoreError(
+                "partial_data_parallel=True needs with_context_parallel=True: the partial "
+                "data-parallel groups of the distributed optimizer include context parallelism"
+            )
+        return "dp"
+    return "intra-dp-cp" if partial_data_parallel else "dp-cp"
 
 
-def get_tensor_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """The tensor-parallel group of this rank (ranks that split one layer's weights).
+# --- groups ----------------------------------------------------------------------------------
+
+
+def get_model_parallel_group(check_initialized=True):
+    """The model-parallel group: the tensor x pipeline ranks that hold one full model copy.
 
     Args:
-        check_initialized: megatron-core's flag. True (default): raise MegatronCoreError before
-            initialize_model_parallel, like every getter; False: return None then instead.
+        check_initialized: True (default): raise MegatronCoreError if there is no such group;
+            False: return None then. The same flag on every ``get_*_group`` below.
     """
-    if not check_initialized and not _initialized():
-        return None
-    return _state().group("tp")
+    return _state().group("mp", check_initialized)
 
 
-def get_tensor_model_parallel_rank() -> int:
-    """This rank's index in its tensor-parallel group, in [0, tp)."""
-    return _state().rank_in("tp")
+def get_tensor_model_parallel_group(check_initialized=True):
+    """The tensor-parallel group of this rank (ranks that split one layer's weights)."""
+    return _state().group("tp", check_initialized)
 
 
-def get_tensor_model_parallel_world_size() -> int:
-    """Tensor-parallel size tp."""
-    return _state().size_of("tp")
+def get_data_parallel_group(
+    with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False
+):
+    """The data-parallel group (replicas of the same model shard).
+
+    Args:
+        with_context_parallel: the data x context group instead (gradients are reduced there).
+        partial_data_parallel: with context parallel only: this rank's distributed-optimizer
+            instance's part of it (the whole group with one instance).
+        independent_all_gather: with context parallel only: the separate all-gather group over
+            the same ranks (initialize_model_parallel(create_all_gather_group=True)).
+    """
+    kind = _dp_kind(with_context_parallel, partial_data_parallel)
+    if kind == "dp-cp" and independent_all_gather:
+        kind = "dp-cp-ag"
+    return _state().group(kind)
 
 
-def get_tensor_model_parallel_src_rank() -> int:
-    """Global rank of tensor-parallel rank 0 in this rank's group (the broadcast source)."""
-    return _state().ranks["tp"][0]
+def has_separate_all_gather_group() -> bool:
+    """True if initialize_model_parallel created the separate data x context all-gather group."""
+    return "dp-cp-ag" in _state().groups
 
 
-def get_tensor_model_parallel_global_ranks() -> list[int]:
-    """Global ranks of this rank's tensor-parallel group, in group order."""
-    return list(_state().ranks["tp"])
-
-
-# --- pipeline model parallel -----------------------------------------------------------------
-
-
-def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
-    """The pipeline group of this rank (one rank per stage)."""
-    return _state().group("pp")
-
-
-def get_pipeline_model_parallel_rank() -> int:
-    """This rank's stage index in [0, pp)."""
-    return _state().rank_in("pp")
-
-
-def get_pipeline_model_parallel_world_size() -> int:
-    """Number of pipeline stages pp."""
-    return _state().size_of("pp")
-
-
-def get_pipeline_model_parallel_first_rank() -> int:
-    """Global rank of the first stage of this rank's pipeline."""
-    return _state().ranks["pp"][0]
-
-
-def get_pipeline_model_parallel_last_rank() -> int:
-    """Global rank of the last stage of this rank's pipeline."""
-    return _state().ranks["pp"][-1]
-
-
-def get_pipeline_model_parallel_next_rank() -> int:
-    """Global rank of the next stage (wraps from the last stage to the first)."""
-    ranks = _state().ranks["pp"]
-    return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
-
-
-def get_pipeline_model_parallel_prev_rank() -> int:
-    """Global rank of the previous stage (wraps from the first stage to the last)."""
-    ranks = _state().ranks["pp"]
-    return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
-
-
-def get_pipeline_model_parallel_split_rank() -> int | None:
-    """The encoder/decoder split stage given to initialize_model_parallel, or None."""
-    return _state().pipeline_model_parallel_split_rank
-
-
-def get_virtual_pipeline_model_parallel_rank() -> int | None:
-    """Current model chunk of the interleaved schedule (None without virtual pipelining)."""
-    return _state().virtual_pipeline_model_parallel_rank
-
-
-def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
-    """Set the current model chunk of the interleaved schedule."""
-    _state().virtual_pipeline_model_parallel_rank = rank
-
-
-def get_virtual_pipeline_model_parallel_world_size() -> int | None:
-    """Model chunks per stage (None without virtual pipelining)."""
-    return _state().virtual_pipeline_model_parallel_size
-
-
-def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
-    """True on stage 0 (and, unless ignore_virtual, on virtual chunk 0)."""
-    state = _state()
-    vpp = state.virtual_pipeline_model_parallel_size
-    if not ignore_virtual and vpp is not None and state.virtual_pipeline_model_parallel_rank != 0:
-        return False
-    return get_pipeline_model_parallel_rank() == 0
-
-
-def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
-    """True on the last stage (and, unless ignore_virtual, on the last virtual chunk)."""
-    state = _state()
-    vpp = state.virtual_pipeline_model_parallel_size
-    if (
-        not ignore_virtual
-        and vpp is not None
-        and state.virtual_pipeline_model_parallel_rank != vpp - 1
-    ):
-        return False
-    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
-
-
-# --- data parallel ---------------------------------------------------------------------------
-
-
-def get_data_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
-    """The data-parallel group (replicas of the same model shard); with cp folded in if asked."""
-    return _state().group(_dp_kind(with_context_parallel))
-
-
-def get_data_parallel_group_gloo(with_context_parallel: bool = False) -> dist.ProcessGroup:
+def get_data_parallel_group_gloo(with_context_parallel=False, partial_data_parallel=False):
     """A gloo group over the same ranks as get_data_parallel_group (for CPU-side collectives)."""
     state = _state()
-    kind = _dp_kind(with_context_parallel)
+    kind = _dp_kind(with_context_parallel, partial_data_parallel)
     if kind not in state.gloo_groups:
-        from megatron_core.errors import MegatronCoreError
-
-        raise MegatronCoreError(
-            "data-parallel gloo group was not created: initialize_model_parallel was called with "
-            "create_gloo_process_groups=False"
-        )
+        if state.initialized:
+            raise MegatronCoreError(
+                f"{kind} gloo group was not created: initialize_model_parallel was called with "
+                f"create_gloo_process_groups=False"
+            )
+        state.group(kind)  # raises "not initialized"
     return state.gloo_groups[kind]
 
 
-def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
-    """This rank's index in its data-parallel group."""
-    return _state().rank_in(_dp_kind(with_context_parallel))
-
-
-def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
-    """Data-parallel size dp (dp * cp with context parallel folded in)."""
-    return _state().size_of(_dp_kind(with_context_parallel))
-
-
-def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
-    """Global rank of data-parallel rank 0 in this rank's data-parallel group."""
-    return _state().ranks[_dp_kind(with_context_parallel)][0]
-
-
-# --- context parallel ------------------------------------------------------------------------
-
-
-def get_context_parallel_group() -> dist.ProcessGroup:
+def get_context_parallel_group(check_initialized=True):
     """The context-parallel group (ranks that split one sequence)."""
-    return _state().group("cp")
+    return _state().group("cp", check_initialized)
 
 
-def get_context_parallel_rank() -> int:
-    """This rank's index in its context-parallel group."""
-    return _state().rank_in("cp")
+def get_context_parallel_global_ranks(check_initialized=True):
+    """Global ranks of this rank's context-parallel group (None if unchecked and uninitialized)."""
+    state = _state()
+    return state.member_ranks("cp") if state.group("cp", check_initialized) else None
 
 
-def get_context_parallel_world_size() -> int:
-    """Context-parallel size cp."""
-    return _state().size_of("cp")
+def get_hierarchical_context_parallel_groups(check_initialized=True):
+    """This rank's context-parallel sub-group at each level of hierarchical_context_parallel_sizes.
+
+    Returns:
+        A list of ProcessGroups, innermost level first (None if unchecked and not created).
+    """
+    groups = _state().hierarchical_cp_groups
+    if groups is None and check_initialized:
+        raise MegatronCoreError(
+            "hierarchical context parallel groups are not initialized: pass "
+            "hierarchical_context_parallel_sizes to initialize_model_parallel"
+        )
+    return groups
 
 
-def get_context_parallel_global_ranks() -> list[int]:
-    """Global ranks of this rank's context-parallel group."""
-    return list(_state().ranks["cp"])
+def get_hybrid_data_context_parallel_groups(check_initialized=True, group_size=None):
+    """This rank's hybrid data x context group of ``group_size`` ranks.
+
+    The whole data x context group when ``group_size`` equals its size; otherwise one of the
+    groups initialize_model_parallel(hybrid_context_parallel=True) made (sizes 2, 4, ...).
+    """
+    state = _state()
+    if get_data_parallel_world_size(with_context_parallel=True) == group_size:
+        return state.group("dp-cp", check_initialized)
+    group = state.hybrid_dp_cp_groups.get(group_size)
+    if group is None and check_initialized:
+        raise MegatronCoreError(
+            f"no hybrid data x context parallel group of size {group_size!r}; sizes created: "
+            f"{sorted(state.hybrid_dp_cp_groups)} (initialize_model_parallel("
+            f"hybrid_context_parallel=True) creates them)"
+        )
+    return group
 
 
-# --- combined groups -------------------------------------------------------------------------
+def get_amax_reduction_group(with_context_parallel=False, tp_only_amax_red=False):
+    """The FP8 amax reduction group: tensor x data (x context) ranks, or tensor (x context) only."""
+    if tp_only_amax_red:
+        return _state().group("tp-cp" if with_context_parallel else "tp")
+    return _state().group("tp-dp-cp" if with_context_parallel else "tp-dp")
 
 
-def get_model_parallel_group() -> dist.ProcessGroup:
-    """The model-parallel group: tensor x pipeline ranks holding one full model copy."""
-    return _state().group("mp")
+def get_tensor_and_data_parallel_group(check_initialized=True, with_context_parallel=False):
+    """The tensor x data (x context, if asked) parallel group."""
+    return _state().group("tp-dp-cp" if with_context_parallel else "tp-dp", check_initialized)
+
+
+def get_tensor_and_context_parallel_group(check_initialized=True):
+    """The tensor x context parallel group."""
+    return _state().group("tp-cp", check_initialized)
+
+
+# --- sizes and ranks -------------------------------------------------------------------------
+
+
+def set_tensor_model_parallel_world_size(world_size):
+    """Override the tensor-parallel size get_tensor_model_parallel_world_size returns."""
+    _state().overrides["tp_size"] = world_size
+
+
+def get_tensor_model_parallel_world_size():
+    """Tensor-parallel size tp (or the value set by set_tensor_model_parallel_world_size)."""
+    override = _state().overrides.get("tp_size")
+    return override if override is not None else _state().size_of("tp")
+
+
+def set_tensor_model_parallel_rank(rank):
+    """Override the rank get_tensor_model_parallel_rank returns."""
+    _state().overrides["tp_rank"] = rank
+
+
+def get_tensor_model_parallel_rank():
+    """This rank's index in its tensor-parallel group, in [0, tp) (or the value set)."""
+    override = _state().overrides.get("tp_rank")
+    return override if override is not None else _state().rank_in("tp")
+
+
+def get_tensor_model_parallel_src_rank():
+    """Global rank of tensor-parallel rank 0 in this rank's group (the broadcast source)."""
+    return _state().member_ranks("tp")[0]
+
+
+def get_model_parallel_src_rank():
+    """Global rank of the first rank of this rank's model-parallel (tensor x pipeline) group."""
+    return _state().member_ranks("mp")[0]
+
+
+def get_data_parallel_src_rank(with_context_parallel=False):
+    """Global rank of data-parallel rank 0 in this rank's data(-x-context)-parallel group."""
+    return _state().member_ranks("dp-cp" if with_context_parallel else "dp")[0]
+
+
+def get_data_parallel_world_size(with_context_parallel=False, partial_data_parallel=False):
+    """Data-parallel size dp (dp * cp with context folded in); 0 without torch.distributed."""
+    override = _state().overrides.get("dp_size")
+    if override is not None:
+        return override
+    if not _dist_ready():
+        return 0
+    return get_data_parallel_group(with_context_parallel, partial_data_parallel).size()
+
+
+def set_data_parallel_rank(rank):
+    """Override the rank get_data_parallel_rank returns."""
+    _state().overrides["dp_rank"] = rank
+
+
+def get_data_parallel_rank(with_context_parallel=False, partial_data_parallel=False):
+    """This rank's index in its data-parallel group; 0 without torch.distributed."""
+    override = _state().overrides.get("dp_rank")
+    if override is not None:
+        return override
+    if not _dist_ready():
+        return 0
+    return get_data_parallel_group(with_context_parallel, partial_data_parallel).rank()
+
+
+def get_context_parallel_world_size():
+    """Context-parallel size cp; 0 without torch.distributed."""
+    return _state().size_of("cp") if _dist_ready() else 0
+
+
+def get_context_parallel_rank():
+    """This rank's index in its context-parallel group; 0 without torch.distributed."""
+    return _state().rank_in("cp") if _dist_ready() else 0
+
+
+def get_tensor_and_context_parallel_world_size():
+    """tp * cp; 0 without torch.distributed."""
+    return _state().size_of("tp-cp") if _dist_ready() else 0
+
+
+def get_tensor_and_context_parallel_rank():
+    """This rank's index in its tensor x context group; 0 without torch.distributed."""
+    return _state().rank_in("tp-cp") if _dist_ready() else 0
+
+
+# --- extensions ------------------------------------------------------------------------------
+
+
+def get_tensor_model_parallel_global_ranks() -> list[int]:
+    """Global ranks of this rank's tensor-parallel group, in group order (not in 0.16)."""
+    return list(_state().member_ranks("tp"))
 
 
 def get_model_parallel_rank() -> int:
-    """This rank's index in its model-parallel (tp x pp) group."""
+    """This rank's index in its model-parallel (tp x pp) group (not in 0.16)."""
     return _state().rank_in("mp")
 
 
 def get_model_parallel_world_size() -> int:
-    """tp * pp."""
+    """tp * pp (not in 0.16)."""
     return _state().size_of("mp")
-
-
-def get_tensor_and_context_parallel_group() -> dist.ProcessGroup:
-    """The tensor x context parallel group."""
-    return _state().group("tp-cp")
-
-
-def get_tensor_and_context_parallel_rank() -> int:
-    """This rank's index in its tensor x context parallel group."""
-    return _state().rank_in("tp-cp")
-
-
-def get_tensor_and_context_parallel_world_size() -> int:
-    """tp * cp."""
-    return _state().size_of("tp-cp")
-
-
-def get_tensor_and_data_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
-    """The tensor x data (x context) parallel group."""
-    return _state().group("tp-dp-cp" if with_context_parallel else "tp-dp")
-
-
-# --- expert parallel (NOTE [ Rank layout ], rule 4) ------------------------------------------
-
-
-def get_expert_model_parallel_group() -> dist.ProcessGroup:
-    """The expert-parallel group (ranks that hold different experts)."""
-    return _state().group("ep")
-
-
-def get_expert_model_parallel_rank() -> int:
-    """This rank's index in its expert-parallel group."""
-    return _state().rank_in("ep")
-
-
-def get_expert_model_parallel_world_size() -> int:
-    """Expert-parallel size ep."""
-    return _state().size_of("ep")
-
-
-def get_tensor_and_expert_parallel_group() -> dist.ProcessGroup:
-    """The tensor x expert parallel group (MoE token dispatch)."""
-    return _state().group("tp-ep")
-
-
-def get_tensor_and_expert_parallel_world_size() -> int:
-    """tp * ep."""
-    return _state().size_of("tp-ep")
-
-
-def get_data_modulo_expert_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
-    """Replicas of the same expert: the data-parallel group with the expert axis taken out."""
-    return _state().group("dp-cp-modulo-ep" if with_context_parallel else "dp-modulo-ep")
-
-
-def get_data_modulo_expert_parallel_rank(with_context_parallel: bool = False) -> int:
-    """This rank's index in its data-modulo-expert group."""
-    return _state().rank_in("dp-cp-modulo-ep" if with_context_parallel else "dp-modulo-ep")
-
-
-def get_data_modulo_expert_parallel_world_size(with_context_parallel: bool = False) -> int:
-    """dp // ep (times cp with context parallel folded in)."""
-    return _state().size_of("dp-cp-modulo-ep" if with_context_parallel else "dp-modulo-ep")
-
-
-# --- embeddings (NOTE [ Rank layout ], rule 5) -----------------------------------------------
-
-
-def get_embedding_group() -> dist.ProcessGroup:
-    """First and last pipeline stage (plus the split stage): they share the word embedding."""
-    return _state().group("embedding")
-
-
-def get_position_embedding_group() -> dist.ProcessGroup:
-    """First pipeline stage (plus the split stage): they share the position embedding."""
-    return _state().group("position_embedding")
-
-
-def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
-    """True if this rank holds a copy of the word embedding (megatron-core's rule).
-
-    Unless ignore_virtual, the first/last stage count only on their first/last virtual chunk.
-    """
-    state = _state()
-    ranks = state.ranks.get("embedding", [])
-    rank = state.global_rank
-    if rank not in ranks:
-        return False
-    if ignore_virtual:
-        return True
-    if rank == ranks[0]:
-        return is_pipeline_first_stage(ignore_virtual=False)
-    if rank == ranks[-1]:
-        return is_pipeline_last_stage(ignore_virtual=False)
-    return True
-
-
-def is_rank_in_position_embedding_group() -> bool:
-    """True if this rank holds a copy of the position embedding."""
-    state = _state()
-    return state.global_rank in state.ranks.get("position_embedding", [])

@@ -153,8 +153,7 @@ def _reset_process_state() -> str | None:
 
         from megatron_core import consistency, device, parallel_state
 
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+        parallel_state.destroy_model_parallel()  # also drops set_* overrides made without init
         try:
             from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
 

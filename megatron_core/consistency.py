@@ -52,7 +52,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -70,7 +70,10 @@ __all__ = [
     "check_mode",
     "agree",
     "check_collective",
+    "check_ids",
     "agreed_errors",
+    "agreed_splits",
+    "named_failures",
     "collective_failed",
     "describe_group",
 ]
@@ -80,6 +83,8 @@ _SLOTS = 16  # int64 values per rank in every exchange (NOTE [ Agree before acti
 _MAX_DIMS = 8  # shape dimensions stored as such; more are hashed
 _FAILED_SLOT = 14  # [magic, op, dtype, ndim, 8 dims, more dims, args, failed, 0]
 _MAGIC = 0x4D435F4147524545  # "MC_AGREE": a rank in another exchange shows up as a mismatch
+# torch 2.13 renamed all_gather_into_tensor (the old name warns).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -215,12 +220,8 @@ def _exchange(values: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather ``values`` (the same length on every rank) -> [group size, len] int64 (cpu)."""
     local = torch.tensor(values, dtype=torch.int64, device=_buffer_device(group))
     gathered = local.new_empty(dist.get_world_size(group) * len(values))
-    try:
-        dist.all_gather_into_tensor(gathered, local, group=group)
-    except MegatronCoreError:
-        raise
-    except RuntimeError as exc:
-        raise collective_failed("the consistency check's all-gather", group, exc) from exc
+    with named_failures("the consistency check's all-gather", group):
+        _all_gather_single(gathered, local, group=group)
     return gathered.view(-1, len(values)).cpu()
 
 
@@ -231,7 +232,7 @@ def _exchange_text(text: str, group: dist.ProcessGroup) -> list[str]:
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
     gathered = padded.to(_buffer_device(group)).new_empty(len(sizes) * max(sizes))
-    dist.all_gather_into_tensor(gathered, padded.to(gathered.device), group=group)
+    _all_gather_single(gathered, padded.to(gathered.device), group=group)
     rows = gathered.view(len(sizes), -1).cpu()
     return [bytes(rows[r, : sizes[r]].tolist()).decode() for r in range(len(sizes))]
 
@@ -276,6 +277,7 @@ def agree(
     shape: tuple[int, ...] | torch.Size | None = None,
     dtype: torch.dtype | None = None,
     error: BaseException | None = None,
+    content: torch.Tensor | None = None,
     **args,
 ) -> None:
     """Make the ranks of ``group`` agree before a collective, or raise on all of them.
@@ -284,8 +286,10 @@ def agree(
     values per rank, see NOTE [ Agree before acting ]). Compared across the group: ``op``, the
     shape and dtype of ``tensor`` (or ``shape`` / ``dtype`` given explicitly, e.g. a shape
     without the dimension that may differ), and ``args`` (keyword values compared by their
-    ``repr``). A rank passes ``error`` when its local checks failed. Nothing is done for a
-    one-rank group except re-raising ``error``.
+    ``repr``), and the values of ``content`` when given (a tensor that must be equal on every
+    rank, e.g. token ids; compared through a position-weighted checksum, O(numel)). A rank passes
+    ``error`` when its local checks failed. Nothing is done for a one-rank group except
+    re-raising ``error``.
 
     Raises:
         RankDisagreementError: on every rank, naming the op, the group and each rank's value, if
@@ -296,6 +300,8 @@ def agree(
         if error is not None:
             raise error
         return
+    if content is not None:
+        args = {**args, "content checksum": _checksum(content)}
     table = _exchange(_descriptor(op, tensor, shape, dtype, args, error is not None), group)
     failed = bool(table[:, _FAILED_SLOT].any())
     if not failed and bool((table == table[0]).all()):
@@ -347,12 +353,37 @@ def check_collective(
     *,
     shape: tuple[int, ...] | torch.Size | None = None,
     dtype: torch.dtype | None = None,
+    content: torch.Tensor | None = None,
     **args,
 ) -> None:
-    """In check mode, :func:`agree` on ``op``, the tensor's shape / dtype and ``args`` across
-    ``group``; otherwise return at once. Called at the top of each collective of the package."""
+    """In check mode, :func:`agree` on ``op``, the tensor's shape / dtype, ``args`` and
+    ``content`` across ``group``; otherwise return at once (no checksum is computed). Called at
+    the top of each collective of the package."""
     if is_enabled() and dist.get_world_size(group) > 1:
-        agree(op, group, tensor, shape=shape, dtype=dtype, **args)
+        agree(op, group, tensor, shape=shape, dtype=dtype, content=content, **args)
+
+
+def check_ids(op: str, group: dist.ProcessGroup, ids: torch.Tensor, limit: int) -> None:
+    """In check mode: token ``ids`` must lie in ``[0, limit)`` and be equal on every rank of
+    ``group`` (a vocab-parallel embedding sums every rank's part for the same ids); else every
+    rank raises a RankDisagreementError naming the values. Outside check mode: nothing."""
+    if not is_enabled():
+        return
+    error = None
+    outside = (ids < 0) | (ids >= limit)
+    if bool(outside.any()):
+        bad = ids[outside].unique()[:8].tolist()
+        error = MegatronCoreError(f"{op}: ids {bad} are outside [0, vocabulary size ({limit}))")
+    agree(op, group, ids, error=error, content=ids, limit=limit)
+
+
+def _checksum(tensor: torch.Tensor) -> str:
+    """Sum and position-weighted sum of the values (weights 1..1009): equal tensors give equal
+    checksums; a changed or moved value almost surely changes one."""
+    flat = tensor.detach().reshape(-1)
+    flat = flat.double() if flat.is_floating_point() or flat.is_complex() else flat.long()
+    weights = torch.arange(flat.numel(), device=flat.device) % 1009 + 1
+    return f"{flat.sum().item()!r}/{(flat * weights).sum().item()!r}"
 
 
 @contextlib.contextmanager
@@ -380,3 +411,69 @@ def collective_failed(op: str, group: dist.ProcessGroup | None, exc: BaseExcepti
     elif "Detected mismatch between collectives" in text:
         hint = " (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL check found the ranks in different calls)"
     return CollectiveError(f"{op} on {describe_group(group)} failed{hint}: {text}")
+
+
+def agreed_splits(
+    op: str, group: dist.ProcessGroup, compute: Callable[[], tuple[list[int], list[int]]]
+) -> tuple[list[int], list[int]]:
+    """Split sizes of an all-to-all, checked across ``group`` (always on; one exchange).
+
+    ``compute()`` returns this rank's ``(input_split_sizes, output_split_sizes)``: rows sent to
+    and received from each rank, or raises after a local check failed. Every rank then learns
+    every rank's sizes and raises the same error unless rank i sends rank j exactly the rows rank
+    j expects from rank i, for every pair; so no rank is left in an all-to-all that cannot match.
+
+    Returns:
+        ``compute()``'s result.
+
+    Raises:
+        RankDisagreementError: on every rank, if a rank's ``compute()`` raised (its message is
+            included) or the sizes do not match (every mismatching pair is named).
+    """
+    size = dist.get_world_size(group)
+    error, in_sizes, out_sizes = None, [0] * size, [0] * size
+    try:
+        in_sizes, out_sizes = compute()
+    except Exception as exc:  # shared with the peers below (NOTE [ Agree before acting ], 4)
+        error = exc
+    if size == 1:
+        if error is not None:
+            raise error
+        return in_sizes, out_sizes
+    table = _exchange([int(error is not None), *in_sizes, *out_sizes], group)
+    if bool(table[:, 0].any()):
+        agree(op, group, error=error)  # every rank takes this branch: the error texts travel
+    sent, expected = table[:, 1 : 1 + size], table[:, 1 + size :]
+    pairs = (sent != expected.T).nonzero().tolist()
+    if not pairs:
+        return in_sizes, out_sizes
+    ranks = dist.get_process_group_ranks(group)
+    found = "; ".join(
+        f"rank {i} (global rank {ranks[i]}) sends {int(sent[i, j])} rows to rank {j} (global "
+        f"rank {ranks[j]}), which expects {int(expected[j, i])}"
+        for i, j in pairs[:8]
+    )
+    raise RankDisagreementError(
+        f"{op} on {describe_group(group)}: the split sizes do not match across the ranks "
+        f"(input_split_sizes of every rank: {sent.tolist()}, output_split_sizes: "
+        f"{expected.tolist()}): {found}"
+    )
+
+
+class named_failures:  # noqa: N801 (used like a function: ``with named_failures(op, group):``)
+    """Context manager around a raw torch.distributed call: a RuntimeError from torch (timeout,
+    dead peer, torch's own mismatch check) leaves as a CollectiveError naming ``op`` and
+    ``group`` (see :func:`collective_failed`). A plain class: entering costs well under 1 us."""
+
+    __slots__ = ("op", "group")
+
+    def __init__(self, op: str, group: dist.ProcessGroup | None):
+        self.op, self.group = op, group
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        if isinstance(exc, RuntimeError) and not isinstance(exc, MegatronCoreError):
+            raise collective_failed(self.op, self.group, exc) from exc
+        return False

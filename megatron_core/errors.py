@@ -11,7 +11,7 @@ megatron-core reports most bad input with ``assert`` statements, and code writte
 a bare ``assert`` the check still runs under ``python -O``.
 """
 
-__all__ = ["MegatronCoreError"]
+__all__ = ["MegatronCoreError", "ConfigError"]
 
 
 class MegatronCoreError(RuntimeError, AssertionError):
@@ -19,4 +19,12 @@ class MegatronCoreError(RuntimeError, AssertionError):
 
     A subclass of both ``RuntimeError`` and ``AssertionError`` so that handlers written for
     megatron-core's ``assert``-based checks keep working (see the module docstring).
+    """
+
+
+class ConfigError(MegatronCoreError, ValueError):
+    """Raised for an invalid configuration value (``ModelParallelConfig`` and its subclasses).
+
+    Also a ``ValueError``, which is what megatron-core's ``__post_init__`` raises, so
+    ``except ValueError`` written for megatron-core still catches it.
     """

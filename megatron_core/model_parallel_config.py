@@ -1,10 +1,31 @@
-"""ModelParallelConfig: the options the parallel layers read (megatron-core's name and fields).
+"""ModelParallelConfig: megatron-core 0.16's configuration dataclass, every field and default.
 
-A subset of ``megatron.core.ModelParallelConfig``: the fields this package honours plus
-megatron-core's common parallelism and precision fields, with megatron-core's names and defaults,
-so ``ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)`` means the same
-thing in both. Validation runs in ``__post_init__`` and raises
-:class:`~megatron_core.errors.MegatronCoreError` naming the values.
+All 67 fields of ``megatron.core.ModelParallelConfig`` (0.16.1) in its order with its defaults, so
+code that builds one for megatron-core builds one here. ``__post_init__`` fills the derived
+defaults and validates as megatron-core does; a bad value raises :class:`ConfigError` (a
+``ValueError``, which megatron-core raises, and a
+:class:`~megatron_core.errors.MegatronCoreError`) naming the values.
+
+What this package reads (the other fields are accepted, validated and carried for code that reads
+them, with no effect inside megatron_core):
+
+- parallel sizes: ``tensor_model_parallel_size`` (the transformer; the tensor-parallel layers
+  size themselves from their process group), ``pipeline_model_parallel_size``,
+  ``virtual_pipeline_model_parallel_size``, ``sequence_parallel``, ``context_parallel_size``,
+  ``expert_model_parallel_size``, ``expert_tensor_parallel_size``;
+- initialization: ``perform_initialization``, ``use_cpu_initialization``, ``params_dtype``;
+- precision: ``fp16``, ``bf16``, ``enable_autocast``, ``autocast_dtype``;
+- layers: ``deterministic_mode``, ``gradient_accumulation_fusion`` (apex's kernel when present,
+  else an identical torch fallback), ``defer_embedding_wgrad_compute``, ``wgrad_deferral_limit``;
+- pipeline: ``pipeline_dtype``, ``variable_seq_lengths``, ``batch_p2p_comm``,
+  ``overlap_p2p_comm``, ``deallocate_pipeline_outputs``, ``microbatch_group_size_per_vp_stage``,
+  ``finalize_model_grads_func``, ``grad_scale_func``, ``no_sync_func``, ``grad_sync_func``,
+  ``param_sync_func``, ``timers``.
+
+Fields for Transformer Engine features (``tp_comm_*`` userbuffer overlap, ``use_te_rng_tracker``,
+``cross_entropy_fusion_impl='te'``, CPU offloading) and for MoE/MTP schedules are accepted and
+documented as having no effect here. ``async_tensor_model_parallel_allreduce`` and
+``moe_extended_tp`` are ignored, as in megatron-core.
 
 One deliberate difference: megatron-core raises for ``sequence_parallel=True`` with
 ``tensor_model_parallel_size=1``; here sequence parallelism is switched off with a warning (it is
@@ -15,13 +36,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from megatron_core.errors import MegatronCoreError
+from megatron_core.errors import ConfigError
 
-__all__ = ["ModelParallelConfig"]
+__all__ = ["ModelParallelConfig", "ConfigError"]
 
 _SIZE_FIELDS = (
     "tensor_model_parallel_size",
@@ -29,54 +52,61 @@ _SIZE_FIELDS = (
     "context_parallel_size",
     "expert_model_parallel_size",
 )
+_CHOICES = {
+    "pipeline_model_parallel_comm_backend": (None, "nccl", "ucc"),
+    "cross_entropy_fusion_impl": ("native", "te"),
+    "tp_comm_bootstrap_backend": ("nccl", "mpi", "gloo"),
+}
 
 
 @dataclass
 class ModelParallelConfig:
-    """Parallelism, initialization and precision options shared by the tensor-parallel layers.
+    """Parallelism, initialization, precision and pipeline options (megatron-core's fields).
+
+    Field meanings are megatron-core's; the module docstring says which ones this package acts
+    on. The main ones:
 
     Attributes:
-        tensor_model_parallel_size: ranks that split each layer's weights (intra-layer). The
-            layers check it against the size of the tensor-parallel group they use.
+        tensor_model_parallel_size: ranks that split each layer's weights (intra-layer).
         pipeline_model_parallel_size: pipeline stages (inter-layer parallelism).
-        virtual_pipeline_model_parallel_size: model chunks per pipeline stage (interleaved
-            schedule), or None.
-        sequence_parallel: split LayerNorm/dropout activations along the sequence dimension
-            across the tensor-parallel group (Korthikanti et al., arXiv:2205.05198). Linear
-            layers then all-gather their input / reduce-scatter their output along dim 0.
-            Switched off with a warning when tensor_model_parallel_size is 1.
+        virtual_pipeline_model_parallel_size: model chunks per stage (interleaved schedule).
+        sequence_parallel: split LayerNorm/dropout activations along the sequence across the
+            TP group (Korthikanti et al., arXiv:2205.05198); linear layers then all-gather
+            their input / reduce-scatter their output along dim 0.
         context_parallel_size: ranks that split the sequence for attention.
         expert_model_parallel_size: ranks that split the experts of MoE layers.
-        perform_initialization: run ``init_method`` on new weights (and zero the biases). Turn
-            off when the weights are loaded from a checkpoint anyway.
-        use_cpu_initialization: draw each full (output, input) master weight on the CPU and keep
-            this rank's slice: the full weight is the same for every TP size. When False each
-            rank draws its shard on the current device inside the "model-parallel-rng" stream.
-        fp16: train with fp16 mixed precision.
-        bf16: train with bf16 mixed precision.
+        expert_tensor_parallel_size: TP size inside an expert; None means
+            tensor_model_parallel_size (set in __post_init__).
+        perform_initialization: run ``init_method`` on new weights (and zero the biases).
+        use_cpu_initialization: draw each full master weight on the CPU and keep this rank's
+            slice (the same full weight for every TP size); else each rank draws its shard on
+            its device in the "model-parallel-rng" stream.
         params_dtype: dtype of the weights the layers create.
-        pipeline_dtype: dtype of pipeline point-to-point tensors; required when
-            pipeline_model_parallel_size > 1 (as in megatron-core).
-        timers: megatron-style timers object, or None; kept for compatibility, unused here.
-        deterministic_mode: prefer deterministic kernels (the embedding gathers rows by
-            indexing instead of F.embedding, whose backward may be non-deterministic on GPUs).
+        autocast_dtype: dtype for ``enable_autocast``; None means params_dtype.
         gradient_accumulation_fusion: linear layers add their weight gradient into the fp32
-            ``weight.main_grad`` buffer (which the caller creates, as megatron's DDP does)
-            instead of producing ``weight.grad``; apex's fused kernel is used when available.
-        async_tensor_model_parallel_allreduce: in ColumnParallelLinear's backward, overlap the
-            all-reduce of the input gradient with the weight-gradient matmul (instead of a
-            synchronous all-reduce after it). Ignored under sequence parallelism, where the
-            reduce-scatter of the input gradient is always overlapped. True by default:
-            megatron-core 0.16 always overlaps (it has no switch).
+            ``weight.main_grad`` (which the caller creates) instead of ``weight.grad``.
+        defer_embedding_wgrad_compute / wgrad_deferral_limit: the output layer stashes its
+            inputs and output gradients for the caller to compute its weight gradient later
+            (needs pipeline parallelism and gradient_accumulation_fusion, as in megatron-core).
+        pipeline_dtype: dtype of pipeline point-to-point tensors; required when
+            pipeline_model_parallel_size > 1.
+        microbatch_group_size_per_vp_stage: microbatches run per virtual stage at a time;
+            None means pipeline_model_parallel_size (set in __post_init__).
     """
 
     # Model parallelism.
     tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_comm_backend: Literal["nccl", "ucc"] | None = None
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = False
     context_parallel_size: int = 1
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    max_seqlen_per_dp_cp_rank: int | None = None
+    hybrid_context_parallel: bool = False
     expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    moe_extended_tp: bool = False  # deprecated in megatron-core 0.10 and ignored there too
 
     # Initialization.
     perform_initialization: bool = True
@@ -86,36 +116,67 @@ class ModelParallelConfig:
     fp16: bool = False
     bf16: bool = False
     params_dtype: torch.dtype = torch.float32
-    pipeline_dtype: torch.dtype | None = None
     timers: Callable | None = None
+    finalize_model_grads_func: Callable | None = None
+    grad_scale_func: Callable | None = None
+    no_sync_func: Callable | None = None
+    grad_sync_func: Callable | None = None
+    param_sync_func: Callable | None = None
     deterministic_mode: bool = False
+    enable_autocast: bool = False
+    autocast_dtype: torch.dtype | None = None
+    num_microbatches_with_partial_activation_checkpoints: int | None = None
 
-    # Optimizations.
+    # Optimizations (tp_comm_*: Transformer Engine userbuffers, no effect here).
     gradient_accumulation_fusion: bool = False
-    async_tensor_model_parallel_allreduce: bool = True
+    async_tensor_model_parallel_allreduce: bool = True  # deprecated and ignored (megatron-core)
+    use_te_rng_tracker: bool = False
+    tp_comm_overlap: bool = False
+    tp_comm_bulk_wgrad: bool = True
+    tp_comm_bulk_dgrad: bool = True
+    tp_comm_overlap_ag: bool = True
+    tp_comm_overlap_rs: bool = True
+    tp_comm_overlap_rs_dgrad: bool = False
+    tp_comm_split_ag: bool = True
+    tp_comm_atomic_ag: bool = False
+    tp_comm_split_rs: bool = True
+    tp_comm_atomic_rs: bool = False
+    cross_entropy_loss_fusion: bool = False
+    cross_entropy_fusion_impl: Literal["native", "te"] = "native"
+    tp_comm_overlap_disable_qkv: bool = False
+    tp_comm_overlap_disable_fc1: bool = False
+    tp_comm_bootstrap_backend: Literal["nccl", "mpi", "gloo"] = "nccl"
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
+    ep_overlap_early_attn_memory_release: bool = False
+
+    # Pipeline parallelism.
+    pipeline_dtype: torch.dtype = None
+    variable_seq_lengths: bool = False
+    overlap_p2p_comm: bool = False
+    batch_p2p_comm: bool = True
+    batch_p2p_sync: bool = True
+    use_ring_exchange_p2p: bool = False
+    deallocate_pipeline_outputs: bool = False
+    defer_embedding_wgrad_compute: bool = False
+    wgrad_deferral_limit: int = 0
+    overlap_p2p_comm_warmup_flush: bool = False
+    microbatch_group_size_per_vp_stage: int | None = None
+    mtp_standalone: bool = False
+
+    # CPU offloading (a Transformer Engine feature in megatron-core; no effect here).
+    cpu_offloading: bool = False
+    cpu_offloading_num_layers: int = 0
+    _cpu_offloading_context: AbstractContextManager | None = None  # internal in megatron-core
+    cpu_offloading_activations: bool = True
+    cpu_offloading_weights: bool = False
+    cpu_offloading_double_buffering: bool = False
+
+    # Timing.
+    barrier_with_L1_time: bool = True
 
     def __post_init__(self) -> None:
-        for name in _SIZE_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise MegatronCoreError(f"ModelParallelConfig: {name} ({value!r}) must be >= 1")
-        vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None and (self.pipeline_model_parallel_size < 2 or vpp < 1):
-            raise MegatronCoreError(
-                f"ModelParallelConfig: virtual_pipeline_model_parallel_size ({vpp}) needs "
-                f"pipeline_model_parallel_size ({self.pipeline_model_parallel_size}) > 1"
-            )
-        if self.fp16 and self.bf16:
-            raise MegatronCoreError("ModelParallelConfig: fp16 and bf16 cannot both be True")
-        if not isinstance(self.params_dtype, torch.dtype):
-            raise MegatronCoreError(
-                f"ModelParallelConfig: params_dtype ({self.params_dtype!r}) must be a torch.dtype"
-            )
-        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
-            raise MegatronCoreError(
-                f"ModelParallelConfig: pipeline_model_parallel_size "
-                f"({self.pipeline_model_parallel_size}) > 1 needs pipeline_dtype to be set"
-            )
+        self._check_values()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             warnings.warn(
                 "ModelParallelConfig: sequence_parallel is True but tensor_model_parallel_size "
@@ -123,3 +184,84 @@ class ModelParallelConfig:
                 stacklevel=3,
             )
             self.sequence_parallel = False
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
+            raise ConfigError(
+                f"ModelParallelConfig: pipeline_model_parallel_size "
+                f"({self.pipeline_model_parallel_size}) > 1 needs pipeline_dtype to be set"
+            )
+        if self.autocast_dtype is None:
+            self.autocast_dtype = self.params_dtype
+        self._check_wgrad_deferral()
+        if (
+            self.expert_model_parallel_size > 1
+            and self.tensor_model_parallel_size > 1
+            and not self.sequence_parallel
+        ):
+            warnings.warn(
+                "ModelParallelConfig: expert parallelism with tensor parallelism needs "
+                "sequence_parallel for training (as in megatron-core)",
+                stacklevel=3,
+            )
+        if self.microbatch_group_size_per_vp_stage is None:
+            self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
+        if self.overlap_p2p_comm_warmup_flush and (
+            not self.overlap_p2p_comm or self.batch_p2p_comm
+        ):
+            raise ConfigError(
+                "ModelParallelConfig: overlap_p2p_comm_warmup_flush (True) needs "
+                f"overlap_p2p_comm=True (got {self.overlap_p2p_comm}) and batch_p2p_comm=False "
+                f"(got {self.batch_p2p_comm})"
+            )
+
+    def _check_values(self) -> None:
+        """Sizes, dtypes and choices that megatron-core would only trip over later."""
+        for name in _SIZE_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"ModelParallelConfig: {name} ({value!r}) must be >= 1")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and (isinstance(etp, bool) or not isinstance(etp, int) or etp < 1):
+            raise ConfigError(
+                f"ModelParallelConfig: expert_tensor_parallel_size ({etp!r}) must be >= 1 or None"
+            )
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and (self.pipeline_model_parallel_size < 2 or vpp < 1):
+            raise ConfigError(
+                f"ModelParallelConfig: virtual_pipeline_model_parallel_size ({vpp}) needs "
+                f"pipeline_model_parallel_size ({self.pipeline_model_parallel_size}) > 1"
+            )
+        if self.fp16 and self.bf16:
+            raise ConfigError("ModelParallelConfig: fp16 and bf16 cannot both be True")
+        for name in ("params_dtype", "autocast_dtype", "pipeline_dtype"):
+            value = getattr(self, name)
+            if not (value is None and name != "params_dtype") and not isinstance(
+                value, torch.dtype
+            ):
+                raise ConfigError(f"ModelParallelConfig: {name} ({value!r}) must be a torch.dtype")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    f"ModelParallelConfig: {name} ({getattr(self, name)!r}) must be one of "
+                    f"{choices}"
+                )
+
+    def _check_wgrad_deferral(self) -> None:
+        if not self.defer_embedding_wgrad_compute:
+            return
+        if self.pipeline_model_parallel_size == 1:
+            raise ConfigError(
+                "ModelParallelConfig: defer_embedding_wgrad_compute (True) needs "
+                "pipeline_model_parallel_size > 1 (got 1)"
+            )
+        if not self.gradient_accumulation_fusion:
+            raise ConfigError(
+                "ModelParallelConfig: defer_embedding_wgrad_compute (True) needs "
+                "gradient_accumulation_fusion=True"
+            )
+        if self.wgrad_deferral_limit < 0:
+            raise ConfigError(
+                f"ModelParallelConfig: wgrad_deferral_limit ({self.wgrad_deferral_limit}) must "
+                "be >= 0"
+            )

@@ -1,115 +1,79 @@
 """Process groups for tensor / pipeline / data / context / expert parallelism.
 
-Megatron-compatible: ``initialize_model_parallel`` and the getters keep megatron-core's names,
-signatures and rank layout (see NOTE [ Rank layout ] in megatron_core/rank_grid.py). All state
-lives in one :class:`ParallelState` object; the module-level getters read it and raise
-:class:`~megatron_core.errors.MegatronCoreError` before initialization.
+Drop-in for megatron-core 0.16's ``parallel_state``: every public function, same parameters and
+defaults, same rank layout (NOTE [ Rank layout ] in megatron_core/rank_grid.py). All state lives
+in one :class:`ParallelState` object that always exists: ``initialize_model_parallel`` fills it,
+the ``set_*`` functions override sizes and ranks in it, ``destroy_model_parallel`` empties it. The
+getters (megatron_core/_parallel_getters*.py, re-exported here) read it and raise
+:class:`~megatron_core.errors.MegatronCoreError` (an ``AssertionError`` too) where megatron-core
+asserts.
 
-Set-up runs in three short steps: validate the arguments (no collective yet, so every rank raises
-the same error) -> compute the rank layout from one :class:`RankGrid` -> create the groups.
+Set-up runs in short steps: validate the arguments (no collective yet, so every rank raises the
+same error) -> compute the layout of both rank grids -> check that every rank got the same
+arguments (issue 15's hook, :func:`_check_arguments_agree`) -> create the groups.
 """
 
 from __future__ import annotations
 
-import datetime
+import logging
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from megatron_core._parallel_layout import (
+    ParallelSizes,
+    compute_rank_layout,
+    embedding_rules,
+    layout_of,
+    validate_sizes,
+)
+from megatron_core._parallel_setup import create_groups, validated_options
+from megatron_core._process_groups import (
+    create_group,
+    create_hierarchical_groups,
+    create_hybrid_dp_cp_groups,
+    get_nccl_options,
+    overwrite_nccl_comm_cfgs,
+    reset_process_group_list,
+    update_pg_timeout,
+)
 from megatron_core.errors import MegatronCoreError
-from megatron_core.rank_grid import RankGrid, embedding_ranks
+from megatron_core.rank_grid import (
+    RankGenerator,
+    default_embedding_ranks,
+    default_position_embedding_ranks,
+    generate_masked_orthogonal_rank_groups,
+)
+from megatron_core.utils import GlobalMemoryBuffer
 
 __all__ = [
     "ParallelState",
-    "initialize_model_parallel",
-    "model_parallel_is_initialized",
-    "destroy_model_parallel",
     "get_parallel_state",
     "compute_rank_layout",
+    "RankGenerator",
+    "generate_masked_orthogonal_rank_groups",
+    "default_embedding_ranks",
+    "default_position_embedding_ranks",
+    "get_nccl_options",
+    "overwrite_nccl_comm_cfgs",
+    "update_pg_timeout",
+    "create_group",
+    "create_hierarchical_groups",
+    "create_hybrid_dp_cp_groups",
+    "initialize_model_parallel",
+    "is_initialized",
+    "is_unitialized",
+    "model_parallel_is_initialized",
+    "destroy_model_parallel",
+    "get_global_memory_buffer",
+    "get_global_symmetric_memory_buffer",
+    "destroy_global_memory_buffer",
+    "destroy_global_symmetric_memory_buffer",
 ]
 
-# Group kinds and how they are read from the grid: kind -> (grid kind, independent_ep).
-_GRID_KINDS = {
-    "tp": ("tp", False),
-    "pp": ("pp", False),
-    "dp": ("dp", False),
-    "dp-cp": ("dp-cp", False),
-    "cp": ("cp", False),
-    "mp": ("tp-pp", False),
-    "tp-cp": ("tp-cp", False),
-    "tp-dp": ("tp-dp", False),
-    "tp-dp-cp": ("tp-dp-cp", False),
-    "ep": ("ep", True),
-    "tp-ep": ("tp-ep", True),
-    "dp-modulo-ep": ("dp", True),
-    "dp-cp-modulo-ep": ("dp-cp", True),
-}
-
-
-def compute_rank_layout(
-    world_size: int,
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    context_parallel_size: int = 1,
-    expert_model_parallel_size: int = 1,
-    order: str = "tp-cp-ep-dp-pp",
-    pipeline_model_parallel_split_rank: int | None = None,
-) -> dict[str, list[list[int]]]:
-    """Every group of every kind for a world size, without touching torch.distributed.
-
-    Kinds: "tp", "pp", "dp", "dp-cp", "cp", "mp" (tp x pp), "tp-cp", "tp-dp", "tp-dp-cp", "ep",
-    "tp-ep", "dp-modulo-ep", "dp-cp-modulo-ep", "embedding", "position_embedding".
-
-    Raises:
-        MegatronCoreError: for any invalid size, order or split rank (messages name the values).
-    """
-    grid = _validated_grid(
-        world_size,
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        context_parallel_size,
-        expert_model_parallel_size,
-        order,
-    )
-    return _layout_of(grid, pipeline_model_parallel_split_rank)
-
-
-def _layout_of(grid: RankGrid, split_rank: int | None) -> dict[str, list[list[int]]]:
-    if split_rank is not None and not (0 <= split_rank < grid.pp):
-        raise MegatronCoreError(
-            f"pipeline_model_parallel_split_rank ({split_rank}) must be in "
-            f"[0, pipeline_model_parallel_size ({grid.pp}))"
-        )
-    layout = {kind: grid.ranks(g, ep) for kind, (g, ep) in _GRID_KINDS.items()}
-    pairs = [embedding_ranks(p, split_rank) for p in layout["pp"]]
-    layout["embedding"] = [e for e, _ in pairs]
-    layout["position_embedding"] = [p for _, p in pairs]
-    return layout
-
-
-def _validated_grid(world_size, tp, pp, cp, ep, order) -> RankGrid:
-    sizes = {
-        "tensor_model_parallel_size": tp,
-        "pipeline_model_parallel_size": pp,
-        "context_parallel_size": cp,
-        "expert_model_parallel_size": ep,
-    }
-    for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise MegatronCoreError(f"{name} ({value!r}) must be an integer >= 1")
-    model_size = tp * pp * cp
-    if world_size % model_size:
-        raise MegatronCoreError(
-            f"tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp}) x "
-            f"context_parallel_size ({cp}) = {model_size} must divide world size ({world_size})"
-        )
-    dp = world_size // model_size
-    if dp % ep:
-        raise MegatronCoreError(
-            f"expert_model_parallel_size ({ep}) must divide the data-parallel size ({dp}) "
-            f"(world size {world_size} / (tp {tp} x pp {pp} x cp {cp}))"
-        )
-    return RankGrid(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, order=order)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -117,56 +81,93 @@ class ParallelState:
     """All process-group state of this rank: one object, read by the module-level getters.
 
     Attributes:
-        global_rank: this process's rank in the default (WORLD) group.
-        world_size: size of the default group.
-        grid: the validated rank grid.
-        ranks: kind -> the global ranks of THIS rank's group of that kind (see compute_rank_layout).
+        global_rank / world_size: this process in the default (WORLD) group (None before init).
+        sizes: the validated degrees (tp, pp, cp, dp, ep, etp, expert_dp, order, ...).
+        ranks: kind -> the global ranks of THIS rank's group of that kind (kinds as in
+            :func:`compute_rank_layout`; "dp-cp-ag" is the separate all-gather group).
         groups: kind -> the ProcessGroup of this rank's group of that kind.
-        gloo_groups: kind -> a gloo ProcessGroup over the same ranks ("dp", "dp-cp"), if created.
+        gloo_groups: kind -> a gloo group over the same ranks ("dp", "dp-cp", "intra-dp-cp",
+            "expt-dp", "intra-expt-dp"), if created.
+        hierarchical_cp_groups: this rank's group at each hierarchical context-parallel level.
+        hybrid_dp_cp_groups: group size -> this rank's hybrid data x context group.
+        overrides: values given to the ``set_*`` functions ("tp_size", "tp_rank", "pp_size",
+            "pp_rank", "dp_size", "dp_rank", "ep_size", "ep_rank", "etp_size", "etp_rank");
+            they win over the groups, before and after initialization.
         virtual_pipeline_model_parallel_size / _rank: interleaved-schedule state (None if unused).
-        pipeline_model_parallel_split_rank: encoder/decoder split stage, or None.
+        pipeline_model_parallel_split_rank: encoder/decoder split stage (an extension), or None.
+        memory_buffer / symmetric_memory_buffer: the global buffers (see get_global_memory_buffer).
     """
 
-    global_rank: int
-    world_size: int
-    grid: RankGrid
+    global_rank: int | None = None
+    world_size: int | None = None
+    sizes: ParallelSizes | None = None
     ranks: dict[str, list[int]] = field(default_factory=dict)
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     gloo_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    hierarchical_cp_groups: list | None = None
+    hybrid_dp_cp_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    overrides: dict[str, int] = field(default_factory=dict)
     virtual_pipeline_model_parallel_size: int | None = None
     virtual_pipeline_model_parallel_rank: int | None = None
     pipeline_model_parallel_split_rank: int | None = None
+    memory_buffer: GlobalMemoryBuffer | None = None
+    symmetric_memory_buffer: object | None = None
 
-    def group(self, kind: str) -> dist.ProcessGroup:
-        """This rank's process group of ``kind``."""
-        self._check_member(kind)
+    @property
+    def initialized(self) -> bool:
+        """True between initialize_model_parallel and destroy_model_parallel."""
+        return self.sizes is not None
+
+    def group(self, kind: str, check: bool = True) -> dist.ProcessGroup | None:
+        """This rank's process group of ``kind``; None if ``check`` is False and there is none."""
+        if kind not in self.groups:
+            if not check:
+                return None
+            self._missing(kind)
         return self.groups[kind]
 
     def rank_in(self, kind: str) -> int:
-        """This rank's index inside its group of ``kind``."""
-        self._check_member(kind)
-        return self.ranks[kind].index(self.global_rank)
+        """This rank's index inside its group of ``kind`` (the group's own rank)."""
+        return self.group(kind).rank()
 
     def size_of(self, kind: str) -> int:
         """Number of ranks in this rank's group of ``kind``."""
-        self._check_member(kind)
-        return len(self.ranks[kind])
+        return self.group(kind).size()
 
-    def _check_member(self, kind: str) -> None:
-        # Only embedding kinds leave ranks out (middle pipeline stages hold no embedding).
-        if kind not in self.ranks:
+    def member_ranks(self, kind: str) -> list[int]:
+        """Global ranks of this rank's group of ``kind``, in layout order."""
+        self.group(kind)
+        return self.ranks[kind]
+
+    def _missing(self, kind: str) -> None:
+        if not self.initialized:
             raise MegatronCoreError(
-                f"global rank {self.global_rank} is in no {kind} group (only the first/last "
-                f"pipeline stages and the split stage hold embeddings)"
+                f"{kind} group is not initialized: call "
+                f"megatron_core.parallel_state.initialize_model_parallel(...) first"
             )
+        reasons = {
+            "embedding": "only the stages chosen by get_embedding_ranks hold the embedding",
+            "position_embedding": "only the stages chosen by get_position_embedding_ranks hold it",
+            "inter-dist-opt": "it exists only with num_distributed_optimizer_instances > 1",
+            "dp-cp-ag": "initialize_model_parallel was called without create_all_gather_group",
+        }
+        raise MegatronCoreError(
+            f"{kind} group is not initialized on global rank {self.global_rank}"
+            + (f": {reasons[kind]}" if kind in reasons else "")
+        )
 
 
-_STATE: ParallelState | None = None
+_STATE = ParallelState()
+
+
+def _state() -> ParallelState:
+    """The one state object (initialized or not); getters and setters read and write it."""
+    return _STATE
 
 
 def get_parallel_state() -> ParallelState:
     """The current ParallelState; raises MegatronCoreError before initialize_model_parallel."""
-    if _STATE is None:
+    if not _STATE.initialized:
         raise MegatronCoreError(
             "model parallel state is not initialized: call "
             "megatron_core.parallel_state.initialize_model_parallel(...) first"
@@ -174,28 +175,55 @@ def get_parallel_state() -> ParallelState:
     return _STATE
 
 
+def is_initialized() -> bool:
+    """True once initialize_model_parallel has built the groups (for code run with or without)."""
+    return _STATE.initialized
+
+
+def is_unitialized() -> bool:
+    """Deprecated spelling of ``not is_initialized()`` (kept as megatron-core keeps it)."""
+    warnings.warn(
+        "is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2
+    )
+    return not is_initialized()
+
+
 def model_parallel_is_initialized() -> bool:
     """True between initialize_model_parallel and destroy_model_parallel."""
-    return _STATE is not None
+    return _STATE.initialized
 
 
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
-    pipeline_model_parallel_split_rank: int | None = None,
+    pipeline_model_parallel_comm_backend: str | None = None,
+    use_sharp: bool = False,
     context_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: list[int] | None = None,
+    hybrid_context_parallel: bool = False,
     expert_model_parallel_size: int = 1,
+    num_distributed_optimizer_instances: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    nccl_communicator_config_path: str | None = None,
     distributed_timeout_minutes: int = 30,
     order: str = "tp-cp-ep-dp-pp",
+    get_embedding_ranks: Callable[[list[int]], list[int]] | None = None,
+    get_position_embedding_ranks: Callable[[list[int]], list[int]] | None = None,
     create_gloo_process_groups: bool = True,
+    high_priority_stream_groups: list[str] | None = None,
+    sharp_enabled_group: str | None = None,
+    create_all_gather_group: bool | None = False,
+    *,
+    pipeline_model_parallel_split_rank: int | None = None,
 ) -> None:
-    """Create every model-parallel process group from one rank grid (megatron-core semantics).
+    """Create every model-parallel process group from the two rank grids (megatron-core 0.16).
 
-    The data-parallel size is ``world_size / (tp * pp * cp)``; expert parallelism splits it
-    (``ep`` must divide it). Every rank must call this with the same arguments; all groups are
-    created collectively in the same order on every rank. Validation happens before any
-    collective, so bad arguments raise the same MegatronCoreError on every rank.
+    The data-parallel size is ``world / (tp * pp * cp)``; experts use a second grid with
+    ``expert_tensor_parallel_size`` (etp, default tp), ep, expert-dp = ``world / (etp * ep * pp)``
+    and pp (NOTE [ Rank layout ], rule 4). Every rank must call this with the same arguments; all
+    groups are created collectively in the same order on every rank. Validation happens before
+    any collective, so bad arguments raise the same MegatronCoreError on every rank.
 
     Example (NOTE [ Rank layout ]): 8 ranks with tp=2, pp=2 give tensor groups [0,1] [2,3] [4,5]
     [6,7], data groups [0,2] [1,3] [4,6] [5,7], pipeline groups [0,4] [1,5] [2,6] [3,7].
@@ -205,122 +233,164 @@ def initialize_model_parallel(
         pipeline_model_parallel_size: pipeline stages.
         virtual_pipeline_model_parallel_size: model chunks per stage (interleaved schedule);
             requires pipeline_model_parallel_size > 1.
-        pipeline_model_parallel_split_rank: stage where the decoder starts (encoder-decoder
-            models); that stage joins the embedding groups.
+        pipeline_model_parallel_comm_backend: backend of the pipeline groups: None (the default
+            backend), "nccl" or "ucc" (NOTE [ NCCL-only options ], rule 4).
+        use_sharp: NCCL SHARP for the group named by ``sharp_enabled_group`` ("dp", the default,
+            or "dp_replica"). NCCL only; no effect on gloo (NOTE [ NCCL-only options ]).
         context_parallel_size: ranks that split the sequence for attention.
+        hierarchical_context_parallel_sizes: split each context-parallel group into levels of
+            these sizes (product = cp); see get_hierarchical_context_parallel_groups.
+        hybrid_context_parallel: also create data x context groups of sizes 2, 4, ... below dp*cp.
         expert_model_parallel_size: ranks that split the experts of MoE layers.
+        num_distributed_optimizer_instances: distributed-optimizer replicas across the data x
+            context domain (partial and inter-instance groups).
+        expert_tensor_parallel_size: ranks that split each expert's weights (default tp).
+        nccl_communicator_config_path: yaml file ``{group name: {min_ctas, max_ctas,
+            cga_cluster_size, net_name, is_high_priority_stream}}`` (needs PyYAML). Validated on
+            every backend, applied to NCCL groups only.
         distributed_timeout_minutes: timeout of the created groups.
         order: grid axis order, fastest-varying first ("tp-cp-ep-dp-pp" or e.g. "tp-pp-dp").
+        get_embedding_ranks: pipeline group -> ranks holding the word embedding (default first
+            and last stage).
+        get_position_embedding_ranks: pipeline group -> ranks holding the position embedding
+            (default first stage).
         create_gloo_process_groups: also create gloo data-parallel groups (reused as-is when the
             default backend already is gloo).
+        high_priority_stream_groups: group names ("dp_cp", "ep_dp", ...) whose NCCL communicators
+            use high-priority streams. No effect on gloo.
+        sharp_enabled_group: see ``use_sharp``; must be None without it.
+        create_all_gather_group: also create a second data x context group over the same ranks,
+            for all-gathers that should not queue behind reduce-scatters.
+        pipeline_model_parallel_split_rank: (extension, keyword only) encoder/decoder split
+            stage; it joins the embedding groups. Exclusive with get_embedding_ranks.
 
     Raises:
         MegatronCoreError: torch.distributed not initialized, already initialized, or a bad value.
     """
-    global _STATE
+    arguments = dict(locals())
     if not (dist.is_available() and dist.is_initialized()):
         raise MegatronCoreError(
             "initialize_model_parallel needs torch.distributed: call "
             "torch.distributed.init_process_group(...) first"
         )
-    if _STATE is not None:
+    if _STATE.initialized:
         raise MegatronCoreError(
             "initialize_model_parallel called twice: call destroy_model_parallel() first"
         )
-    world_size, global_rank = dist.get_world_size(), dist.get_rank()
-    if virtual_pipeline_model_parallel_size is not None and (
-        pipeline_model_parallel_size < 2 or virtual_pipeline_model_parallel_size < 1
-    ):
-        raise MegatronCoreError(
-            f"virtual_pipeline_model_parallel_size ({virtual_pipeline_model_parallel_size}) "
-            f"must be >= 1 and needs pipeline_model_parallel_size "
-            f"({pipeline_model_parallel_size}) > 1 (interleaved schedule)"
-        )
-    grid = _validated_grid(
+    world_size = dist.get_world_size()
+    sizes = validate_sizes(
         world_size,
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
         context_parallel_size,
         expert_model_parallel_size,
+        expert_tensor_parallel_size,
         order,
+        num_distributed_optimizer_instances,
     )
-    layout = _layout_of(grid, pipeline_model_parallel_split_rank)
+    _validate_virtual_pipeline(virtual_pipeline_model_parallel_size, pipeline_model_parallel_size)
+    options = validated_options(arguments)
+    rules = embedding_rules(
+        sizes.pp,
+        pipeline_model_parallel_split_rank,
+        get_embedding_ranks,
+        get_position_embedding_ranks,
+    )
+    layout = layout_of(
+        sizes, *rules, hierarchical_context_parallel_sizes, bool(hybrid_context_parallel)
+    )
+    _check_arguments_agree(arguments, sizes, layout)
     state = ParallelState(
-        global_rank=global_rank,
+        global_rank=dist.get_rank(),
         world_size=world_size,
-        grid=grid,
+        overrides=_STATE.overrides,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_rank=(
             0 if virtual_pipeline_model_parallel_size is not None else None
         ),
         pipeline_model_parallel_split_rank=pipeline_model_parallel_split_rank,
     )
-    _create_groups(state, layout, distributed_timeout_minutes, create_gloo_process_groups)
+    create_groups(state, layout, options, sizes)
+    state.memory_buffer = GlobalMemoryBuffer()
+    state.sizes = sizes
+    _replace_state(state)
+
+
+def _replace_state(state: ParallelState) -> None:
+    global _STATE
     _STATE = state
 
 
-# Process groups outlive the ParallelState that asked for them: (ranks, backend, timeout) -> group,
-# valid while the default (WORLD) group it was created under is alive. See _new_group.
-_GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
-_GROUP_CACHE_WORLD: list = [None]
-
-
-def _new_group(ranks: list[int], timeout: datetime.timedelta, backend: str | None = None):
-    """``dist.new_group`` with reuse: a later initialize with the same ranks gets the same group.
-
-    Like megatron-core, destroy_model_parallel drops the state but does not tear communicators
-    down; re-initializing then costs no new connections (creating and shutting down gloo pairs
-    over and over is slow and, on a loaded machine, was seen to fail in connectFullMesh). Every
-    rank calls this for every group in the same order, so every rank hits or misses alike.
-    """
-    world = dist.group.WORLD
-    if _GROUP_CACHE_WORLD[0] is not world:  # torch.distributed was re-initialized
-        _GROUP_CACHE.clear()
-        _GROUP_CACHE_WORLD[0] = world
-    key = (tuple(ranks), backend, timeout)
-    if key not in _GROUP_CACHE:
-        _GROUP_CACHE[key] = dist.new_group(ranks=list(ranks), timeout=timeout, backend=backend)
-    return _GROUP_CACHE[key]
-
-
-def _create_groups(
-    state: ParallelState, layout: dict[str, list[list[int]]], timeout_minutes: int, gloo: bool
-) -> None:
-    """Create the groups of every kind on every rank, same order everywhere; keep this rank's.
-
-    Kinds whose rank lists coincide (e.g. "dp" and "dp-cp" when cp == 1) share one ProcessGroup.
-    """
-    timeout = datetime.timedelta(minutes=timeout_minutes)
-    for kind, groups in layout.items():
-        for ranks in groups:
-            pg = _new_group(ranks, timeout)
-            if state.global_rank in ranks:
-                state.ranks[kind] = list(ranks)
-                state.groups[kind] = pg
-    if not gloo:
+def _validate_virtual_pipeline(vpp, pp) -> None:
+    if vpp is None:
         return
-    backend = None if dist.get_backend() == "gloo" else "gloo"  # reuse the groups on gloo
-    for kind in ("dp", "dp-cp"):
-        for ranks in layout[kind]:
-            pg = _new_group(ranks, timeout, backend)
-            if state.global_rank in ranks:
-                state.gloo_groups[kind] = pg
+    if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1 or pp < 2:
+        raise MegatronCoreError(
+            f"virtual_pipeline_model_parallel_size ({vpp!r}) must be an integer >= 1 and needs "
+            f"pipeline_model_parallel_size ({pp}) > 1 (interleaved schedule)"
+        )
+
+
+def _check_arguments_agree(arguments: dict, sizes: ParallelSizes, layout: dict) -> None:
+    """Hook for issue 15: every rank must pass the same arguments to initialize_model_parallel.
+
+    Runs after validation and layout (nothing collective yet) and before the first group is
+    created. A rank that disagrees would build other groups and hang the others in new_group;
+    the check belongs here so it can raise on every rank instead. ``arguments`` holds the call's
+    arguments by name; ``sizes``/``layout`` what they resolved to. Does nothing yet.
+    """
+    del arguments, sizes, layout
 
 
 def destroy_model_parallel() -> None:
-    """Drop the model-parallel state (idempotent); getters raise again until re-initialized.
+    """Drop the model-parallel state, overrides and buffers (idempotent).
 
     As in megatron-core, the process groups themselves are not destroyed: a later
     initialize_model_parallel with the same layout reuses them, and
-    ``torch.distributed.destroy_process_group()`` releases everything.
+    ``torch.distributed.destroy_process_group()`` releases everything. Getters raise again
+    until re-initialized.
     """
-    global _STATE
-    _STATE = None
+    reset_process_group_list()
+    _replace_state(ParallelState())
 
 
-# Getters with megatron-core's names live in a sibling module to keep this one short; they are
+# --- global memory buffers ---------------------------------------------------------------------
+
+
+def get_global_memory_buffer() -> GlobalMemoryBuffer:
+    """The process-wide GlobalMemoryBuffer (created by initialize_model_parallel)."""
+    if _STATE.memory_buffer is None:
+        raise MegatronCoreError("global memory buffer is not initialized")
+    return _STATE.memory_buffer
+
+
+def get_global_symmetric_memory_buffer():
+    """megatron-core's symmetric-memory buffer for inference: never created by this package."""
+    if _STATE.symmetric_memory_buffer is None:
+        raise MegatronCoreError(
+            "global symmetric memory buffer is not initialized (megatron-core builds it for its "
+            "NVLS inference collectives, which this package does not have)"
+        )
+    return _STATE.symmetric_memory_buffer
+
+
+def destroy_global_memory_buffer() -> None:
+    """Drop the global memory buffer (get_global_memory_buffer raises until re-initialized)."""
+    _STATE.memory_buffer = None
+
+
+def destroy_global_symmetric_memory_buffer() -> None:
+    """Drop the global symmetric memory buffer."""
+    _STATE.symmetric_memory_buffer = None
+
+
+# Getters with megatron-core's names live in sibling modules to keep this one short; they are
 # re-exported here so `parallel_state.get_tensor_model_parallel_rank()` works as in megatron-core.
 from megatron_core._parallel_getters import *  # noqa: E402, F403
 from megatron_core._parallel_getters import __all__ as _getter_names  # noqa: E402
+from megatron_core._parallel_getters_expert import *  # noqa: E402, F403
+from megatron_core._parallel_getters_expert import __all__ as _expert_names  # noqa: E402
+from megatron_core._parallel_getters_pipeline import *  # noqa: E402, F403
+from megatron_core._parallel_getters_pipeline import __all__ as _pipeline_names  # noqa: E402
 
-__all__ += _getter_names
+__all__ += _getter_names + _pipeline_names + _expert_names

@@ -1,48 +1,69 @@
-"""The rank grid: which global ranks form each process group (pure logic, no torch.distributed).
+"""The rank grids: which global ranks form each process group (pure logic, no torch.distributed).
 
 # NOTE [ Rank layout ]
 #
-# Every process group megatron_core creates comes from ONE grid of ranks, laid out exactly as
-# megatron-core lays it, so a job ported from megatron-core puts the same ranks together.
+# Every process group megatron_core creates comes from two grids of ranks laid out exactly as
+# megatron-core 0.16 lays them, so a job ported from megatron-core puts the same ranks together.
 #
-# 1. The order string names the grid's axes from fastest- to slowest-varying: the default
+# 1. The order string names a grid's axes from fastest- to slowest-varying: the default
 #    "tp-cp-ep-dp-pp" means consecutive global ranks differ first in their tensor-parallel
-#    coordinate, then context, (expert,) data and last pipeline. Axes missing from the string
-#    must have size 1 and are appended at the end.
+#    coordinate, then context, expert, data and last pipeline. An axis missing from the string
+#    must have size 1; it is appended at the end.
 # 2. A global rank r has the coordinate  (r // stride_k) % size_k  on axis k, where stride_k is
-#    the product of the sizes of the axes before k (a mixed-radix number, tp the lowest digit).
+#    the product of the sizes of the axes before k (a mixed-radix number, the first axis lowest).
 # 3. A group of kind "a-b" (e.g. "tp", "dp-cp", "tp-pp") holds the ranks that share every
-#    coordinate EXCEPT those of axes a and b; inside the group, ranks are ordered by the masked
-#    coordinates read as a mixed-radix number in grid order (megatron-core's "masked orthogonal
-#    rank groups"). The model-parallel group is "tp-pp", the tensor+context group "tp-cp".
-# 4. Expert parallelism is carved out of data parallelism: the data axis of size dp is split
-#    into an expert axis of size ep (placed where "ep" sits in the order, which must be next to
-#    "dp") and a data-modulo-expert axis of size dp // ep. Dense groups ("dp", "tp", ...) are
-#    read from the grid WITHOUT the ep axis, expert groups ("ep", "tp-ep", data-modulo-expert)
-#    from the grid WITH it. So ep must divide dp.
-# 5. Embedding groups come from each pipeline group P: the word-embedding group is
-#    [P[0], P[-1]] (first and last stage, which share the tied embedding), the position-
-#    embedding group [P[0]]; with a pipeline split rank s, P[s] joins both. A one-stage
-#    pipeline uses P itself for both.
+#    coordinate EXCEPT those on axes a and b. Inside a group, ranks are ordered by their a/b
+#    coordinates read as a mixed-radix number in grid order (so ascending); groups are ordered the
+#    same way by the other coordinates. This is generate_masked_orthogonal_rank_groups.
+# 4. Two grids share the order string. The DENSE grid has axes tp, cp, dp, pp (ep = 1) with
+#    dp = world / (tp * cp * pp). The EXPERT grid has etp (expert tensor parallel, default tp) on
+#    the "tp" slot, ep, expert-dp on the "dp" slot and pp, with cp = 1: context parallelism is
+#    folded into expert-dp = world / (etp * ep * pp). So etp * ep * pp must divide the world; ep
+#    need not divide dp. Expert kinds ("ep", "expt-tp", "tp-ep", "tp-ep-pp", "expt-dp") are read
+#    from the expert grid, every other kind from the dense grid.
+# 5. Both grids must give the same pipeline groups (checked). With pp > 1 and an order that does
+#    not end in "pp", that needs expert-dp == dp.
+# 6. Embedding groups come from each pipeline group P: by default the word-embedding group is
+#    [P[0], P[-1]] (first and last stage share the tied embedding; [P[0]] for one stage) and the
+#    position-embedding group [P[0]]. initialize_model_parallel accepts functions that replace
+#    either rule; this package's pipeline split rank s (an extension) adds P[s] to both.
+# 7. With n distributed-optimizer instances, each dp-cp group is cut into n consecutive chunks
+#    ("intra-dp-cp"), each expert-dp group likewise ("intra-expt-dp"), and rank i of every chunk
+#    forms the "inter-dist-opt" group. "intra-dist-opt" joins every expert-dp-size / n
+#    consecutive tp-ep-pp groups (one optimizer instance).
+# 8. Hierarchical context parallelism with sizes [s0, s1, ...] (product cp) splits each cp group
+#    C: level k groups the entries of C whose index differs only in digit k of the mixed-radix
+#    number with digits of sizes s0, s1, ... (s0 lowest).
 #
 # Worked example, 8 ranks, tp=2, pp=2 (so dp=2), order "tp-cp-ep-dp-pp":
-#     axes (tp, dp, pp) with sizes (2, 2, 2) and strides (1, 2, 4)
+#     dense axes (tp, cp, ep, dp, pp) with sizes (2, 1, 1, 2, 2) and strides (1, 2, 2, 2, 4)
 #     tensor groups   [0, 1] [2, 3] [4, 5] [6, 7]       (vary tp)
 #     data groups     [0, 2] [1, 3] [4, 6] [5, 7]       (vary dp)
 #     pipeline groups [0, 4] [1, 5] [2, 6] [3, 7]       (vary pp)
 #     model groups    [0, 1, 4, 5] [2, 3, 6, 7]        (vary tp and pp)
 #     embedding groups = the pipeline groups (first and last stage of a 2-stage pipeline)
-# tests/test_rank_grid.py checks this example and megatron-core's documented 16-rank one.
+# Expert example, 8 ranks, cp=2, ep=2 (tp = etp = pp = 1): dense cp groups [0, 1] [2, 3] [4, 5]
+# [6, 7] and dp groups [0, 2, 4, 6] [1, 3, 5, 7]; expert grid (1, 1, 2, 4, 1) gives ep groups
+# [0, 1] [2, 3] [4, 5] [6, 7] and expert-dp groups [0, 2, 4, 6] [1, 3, 5, 7].
+# tests/test_rank_grid.py checks both examples and hand-written tables for worlds 1, 2, 4, 8.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 from megatron_core.errors import MegatronCoreError
 
-__all__ = ["AXES", "RankGrid", "generate_masked_orthogonal_rank_groups", "embedding_ranks"]
+__all__ = [
+    "AXES",
+    "RankGenerator",
+    "generate_masked_orthogonal_rank_groups",
+    "default_embedding_ranks",
+    "default_position_embedding_ranks",
+    "hierarchical_rank_groups",
+    "hybrid_dp_cp_rank_groups",
+]
 
 AXES = ("tp", "pp", "dp", "ep", "cp")
 
@@ -60,10 +81,18 @@ def generate_masked_orthogonal_rank_groups(
     Returns:
         ``world_size // prod(masked sizes)`` groups, each a list of global ranks; groups are ordered
         by their unmasked coordinates, ranks inside a group by their masked coordinates.
+
+    Raises:
+        MegatronCoreError: the sizes do not multiply to ``world_size``, or ``mask`` has
+            another length.
     """
+    if len(mask) != len(parallel_size):
+        raise MegatronCoreError(
+            f"mask ({list(mask)}) must have one entry per axis of parallel_size ({parallel_size})"
+        )
     if math.prod(parallel_size) != world_size:
         raise MegatronCoreError(
-            f"rank grid sizes {parallel_size} multiply to {math.prod(parallel_size)}, "
+            f"rank grid sizes {list(parallel_size)} multiply to {math.prod(parallel_size)}, "
             f"not to world size ({world_size})"
         )
     strides = [math.prod(parallel_size[:k]) for k in range(len(parallel_size))]
@@ -80,7 +109,9 @@ def generate_masked_orthogonal_rank_groups(
     return [[base + off for off in offsets(inner)] for base in offsets(outer)]
 
 
-def _parse_order(order: str) -> list[str]:
+def _parse_order(order: str, sizes: dict[str, int]) -> list[str]:
+    if not isinstance(order, str):
+        raise MegatronCoreError(f"order ({order!r}) must be a string such as 'tp-cp-ep-dp-pp'")
     tokens = order.lower().split("-")
     unknown = [t for t in tokens if t not in AXES]
     if unknown:
@@ -90,105 +121,131 @@ def _parse_order(order: str) -> list[str]:
     duplicated = sorted({t for t in tokens if tokens.count(t) > 1})
     if duplicated:
         raise MegatronCoreError(f"order ({order!r}) repeats token(s) {duplicated}")
-    if "ep" in tokens and abs(tokens.index("ep") - tokens.index("dp")) != 1:
-        raise MegatronCoreError(f"order ({order!r}) must put 'ep' and 'dp' next to each other")
+    for name in AXES:
+        if name not in tokens:
+            if sizes[name] != 1:
+                raise MegatronCoreError(
+                    f"order ({order!r}) omits '{name}' but its size is {sizes[name]}; "
+                    f"only size-1 axes may be omitted"
+                )
+            tokens.append(name)
     return tokens
 
 
-@dataclass(frozen=True)
-class RankGrid:
-    """The grid of NOTE [ Rank layout ]: a size per axis plus the order string (validated).
+class RankGenerator:
+    """One grid of NOTE [ Rank layout ]: a size per axis plus the order string (megatron-core API).
 
     Args:
-        tp, pp, dp, cp, ep: tensor, pipeline, data, context and expert parallel sizes. ``dp`` is the
-            dense data-parallel size (world = tp * cp * dp * pp); ``ep`` must divide ``dp``.
+        tp, ep, dp, pp, cp: axis sizes; ``ep`` and ``cp`` may not both exceed 1 (the dense grid
+            has cp, the expert grid ep; rule 4).
         order: axis order, fastest-varying first (e.g. "tp-cp-ep-dp-pp" or "tp-pp-dp").
+        rank_offset: added to every rank returned by :meth:`get_ranks`.
+
+    Attributes:
+        world_size: tp * ep * dp * pp * cp.
+        order: the normalized order (lower case, omitted size-1 axes appended).
+        ordered_size: the axis sizes in that order.
+
+    Example (rule 2's worked example)::
+
+        RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-ep-dp-pp").get_ranks("dp")
+        # [[0, 2], [1, 3], [4, 6], [5, 7]]
     """
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    order: str = "tp-cp-ep-dp-pp"
-    tokens: tuple[str, ...] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        for name in AXES:
-            value = getattr(self, name)
+    def __init__(
+        self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0
+    ) -> None:
+        self.name_to_size = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
+        for name, value in self.name_to_size.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise MegatronCoreError(f"{name} size ({value!r}) must be an integer >= 1")
-        tokens = _parse_order(self.order)
-        for name in AXES:
-            if name not in tokens:
-                if getattr(self, name) != 1:
-                    raise MegatronCoreError(
-                        f"order ({self.order!r}) omits '{name}' but its size is "
-                        f"{getattr(self, name)}; only size-1 axes may be omitted"
-                    )
-                tokens.append(name)
-        if self.dp % self.ep:
+        if ep > 1 and cp > 1:
             raise MegatronCoreError(
-                f"expert_model_parallel_size ({self.ep}) must divide the data-parallel size "
-                f"({self.dp})"
+                f"ep ({ep}) and cp ({cp}) may not both exceed 1 in one RankGenerator: cp belongs "
+                f"to the dense grid, ep to the expert grid"
             )
-        object.__setattr__(self, "tokens", tuple(tokens))
+        self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
+        self.rank_offset = rank_offset
+        self.world_size = tp * ep * dp * pp * cp
+        tokens = _parse_order(order, self.name_to_size)
+        self.order = "-".join(tokens)
+        self.ordered_size = [self.name_to_size[t] for t in tokens]
 
-    @property
-    def world_size(self) -> int:
-        """tp * cp * dp * pp: the number of ranks the grid covers."""
-        return self.tp * self.cp * self.dp * self.pp
+    def get_mask(self, order: str, token: str) -> list[bool]:
+        """Mask over the axes of ``order``: True for the axes named in ``token`` ("tp-dp")."""
+        axes = order.split("-")
+        wanted = token.split("-")
+        missing = [t for t in wanted if t not in axes]
+        if missing:
+            raise MegatronCoreError(f"token ({token!r}) names axes {missing} not in order {axes}")
+        return [axis in wanted for axis in axes]
 
-    def _axes(self, with_ep: bool) -> list[tuple[str, int]]:
-        axes = []
-        for name in self.tokens:
-            if name == "ep":
-                if with_ep:
-                    axes.append(("ep", self.ep))
-            elif name == "dp":
-                axes.append(("dp", self.dp // self.ep if with_ep else self.dp))
-            else:
-                axes.append((name, getattr(self, name)))
-        return axes
-
-    def ranks(self, kind: str, independent_ep: bool = False) -> list[list[int]]:
-        """All groups of one kind, e.g. ``ranks("tp")`` or ``ranks("dp-cp")``.
+    def get_ranks(self, token: str) -> list[list[int]]:
+        """All groups of one kind: the global ranks that vary only along ``token``'s axes.
 
         Args:
-            kind: axes that vary inside a group, joined by '-' (any order).
-            independent_ep: read the grid with the expert axis split out of dp (NOTE rule 4);
-                then "dp" means data-modulo-expert parallel.
+            token: axes joined by '-', in any order, e.g. "tp", "dp-cp" or "tp-pp".
         """
-        axes = self._axes(with_ep=independent_ep)
-        names = [name for name, _ in axes]
-        wanted = kind.split("-")
-        missing = [w for w in wanted if w not in names]
-        if missing:
-            raise MegatronCoreError(
-                f"group kind ({kind!r}) names axes {missing} not in the grid {names}"
-            )
-        mask = [name in wanted for name in names]
-        return generate_masked_orthogonal_rank_groups(
-            self.world_size, [size for _, size in axes], mask
-        )
+        mask = self.get_mask(self.order, token)
+        groups = generate_masked_orthogonal_rank_groups(self.world_size, self.ordered_size, mask)
+        return [[r + self.rank_offset for r in group] for group in groups]
 
 
-def embedding_ranks(
-    pipeline_ranks: list[int], split_rank: int | None = None
-) -> tuple[list[int], list[int]]:
-    """Word- and position-embedding ranks of one pipeline group (NOTE [ Rank layout ], rule 5).
+def default_embedding_ranks(pp_ranks: list[int]) -> list[int]:
+    """Word-embedding ranks of one pipeline group: first and last stage (rule 6)."""
+    if len(pp_ranks) == 1:
+        return [pp_ranks[0]]
+    return [pp_ranks[0], pp_ranks[-1]]
+
+
+def default_position_embedding_ranks(pp_ranks: list[int]) -> list[int]:
+    """Position-embedding ranks of one pipeline group: the first stage (rule 6)."""
+    return [pp_ranks[0]]
+
+
+def split_rank_embedding_rules(
+    split_rank: int,
+) -> tuple[Callable[[list[int]], list[int]], Callable[[list[int]], list[int]]]:
+    """Embedding rules with this package's pipeline split stage added to both groups (rule 6)."""
+
+    def embedding(pp_ranks: list[int]) -> list[int]:
+        ranks = default_embedding_ranks(pp_ranks)
+        split = pp_ranks[split_rank]
+        return ranks if split in ranks else [ranks[0], split, *ranks[1:]]
+
+    def position(pp_ranks: list[int]) -> list[int]:
+        ranks = default_position_embedding_ranks(pp_ranks)
+        split = pp_ranks[split_rank]
+        return ranks if split in ranks else [*ranks, split]
+
+    return embedding, position
+
+
+def hierarchical_rank_groups(ranks: list[int], sizes: list[int]) -> list[list[list[int]]]:
+    """Sub-groups of ``ranks`` per level of hierarchical context parallelism (rule 8).
+
+    Example: 8 ranks with sizes [2, 4] give level 0 [[r0, r1], [r2, r3], [r4, r5], [r6, r7]] and
+    level 1 [[r0, r2, r4, r6], [r1, r3, r5, r7]].
 
     Returns:
-        ``(embedding, position_embedding)`` lists of global ranks.
+        One list of groups per level.
     """
-    if len(pipeline_ranks) == 1:
-        return list(pipeline_ranks), list(pipeline_ranks)
-    first, last = pipeline_ranks[0], pipeline_ranks[-1]
-    embedding, position = [first, last], [first]
-    if split_rank is not None:
-        split = pipeline_ranks[split_rank]
-        if split not in embedding:
-            embedding = [first, split, last]
-        if split not in position:
-            position = [first, split]
-    return embedding, position
+    if math.prod(sizes) != len(ranks):
+        raise MegatronCoreError(
+            f"hierarchical sizes {list(sizes)} multiply to {math.prod(sizes)}, not to the group "
+            f"size ({len(ranks)})"
+        )
+    levels = []
+    for level in range(len(sizes)):
+        shape = [math.prod(sizes[:level]), sizes[level], math.prod(sizes[level + 1 :])]
+        index_groups = generate_masked_orthogonal_rank_groups(
+            len(ranks), shape, [False, True, False]
+        )
+        levels.append([[ranks[i] for i in group] for group in index_groups])
+    return levels
+
+
+def hybrid_dp_cp_rank_groups(ranks: list[int]) -> dict[int, list[list[int]]]:
+    """Hybrid data x context groups: for sizes 2, 4, ... below len(ranks), consecutive chunks."""
+    sizes = [2**i for i in range(1, int(math.log2(len(ranks))))]
+    return {size: [ranks[i : i + size] for i in range(0, len(ranks), size)] for size in sizes}

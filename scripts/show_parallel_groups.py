@@ -20,9 +20,11 @@ COLUMNS = [
     ("pp", "pp"),
     ("dp", "dp"),
     ("cp", "cp"),
-    ("ep", "ep"),
     ("model (tp x pp)", "mp"),
     ("embedding", "embedding"),
+    ("ep", "ep"),
+    ("expert tp", "expt-tp"),
+    ("expert dp", "expt-dp"),
 ]
 
 
@@ -49,6 +51,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2, help="pipeline-model-parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert-model-parallel size")
+    parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (tp)")
     parser.add_argument("--order", default="tp-cp-ep-dp-pp", help="rank grid order")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
@@ -61,10 +64,12 @@ def main() -> None:
         pipeline_model_parallel_size=args.pp,
         context_parallel_size=args.cp,
         expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=args.etp,
         order=args.order,
     )
     state = parallel_state.get_parallel_state()
-    row = [str(dist.get_rank())] + [str(state.ranks[kind]) for _, kind in COLUMNS]
+    # Middle pipeline stages are in no embedding group: "-".
+    row = [str(dist.get_rank())] + [str(state.ranks.get(kind, "-")) for _, kind in COLUMNS]
     rows = _gather_rows(row)
     if dist.get_rank() == 0:
         header = ["rank"] + [name for name, _ in COLUMNS]

@@ -191,7 +191,9 @@ def check_linear_function(report, tp, rank, dtype):
             w.main_grad = torch.zeros_like(w, dtype=torch.float32)
         w_ref, x_ref = leaf(weight), leaf(x)
         with autocast(dtype):
-            out = linear_with_grad_accumulation_and_async_allreduce(x_in, w, None, fusion)
+            out = linear_with_grad_accumulation_and_async_allreduce(
+                x_in, w, None, fusion, False, False
+            )
             y_ref = F.linear(x_ref, w_ref)
         out.backward(dy.to(out.dtype))
         y_ref.backward(dy.to(y_ref.dtype))
@@ -372,7 +374,9 @@ def test_linear_function_bias_none_regression():
     x = torch.randn(4, 8, requires_grad=True)
     weight = torch.randn(6, 8, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = linear_with_grad_accumulation_and_async_allreduce(x, weight, None, False)
+        out = linear_with_grad_accumulation_and_async_allreduce(
+            x, weight, None, False, False, False
+        )
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert x.grad.dtype == weight.grad.dtype == torch.float32

@@ -26,6 +26,7 @@ from megatron_core.tensor_parallel import (
     get_rng_snapshot,
     model_parallel_cuda_manual_seed,
     reduce_from_tensor_model_parallel_region,
+    set_checkpoint_early_stop,
     set_rng_snapshot,
 )
 from megatron_core.testing import run_distributed
@@ -166,6 +167,7 @@ MODES = {
     "non-reentrant, structured, offloaded + distributed all, checked": _structured(
         True, distribute="all", offload_to_cpu=True, check_determinism=True
     ),
+    "non-reentrant, distributed, no early stop": _each(True, use_reentrant=False, early_stop=False),
     "nested non-reentrant in non-reentrant": _nested(inner_reentrant=False),
     "nested reentrant in non-reentrant": _nested(inner_reentrant=True),
     # A reentrant region of several layers sums the gradients of an input shared by its layers
@@ -502,8 +504,9 @@ def test_layer_stack_methods(seeded, method, regions):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("use_reentrant", [True, False])
-def test_autocast_state_of_the_forward_is_replayed(seeded, use_reentrant):
+# early_stop is an option of the non-reentrant mode only.
+@pytest.mark.parametrize("use_reentrant, early_stop", [(True, None), (False, True), (False, False)])
+def test_autocast_state_of_the_forward_is_replayed(seeded, use_reentrant, early_stop):
     fc = nn.Linear(HIDDEN, HIDDEN)
     x0 = torch.randn(SHAPE)
 
@@ -513,7 +516,12 @@ def test_autocast_state_of_the_forward_is_replayed(seeded, use_reentrant):
         x = x0.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             fn = lambda t: F.dropout(fc(t), P)  # noqa: E731
-            out = checkpoint(fn, False, x, use_reentrant=use_reentrant) if use_checkpoint else fn(x)
+            kw = {} if use_reentrant else {"early_stop": early_stop}
+            out = (
+                checkpoint(fn, False, x, use_reentrant=use_reentrant, **kw)
+                if use_checkpoint
+                else fn(x)
+            )
         out.float().sum().backward()  # backward (and the recompute) outside autocast
         return [out, x.grad, fc.weight.grad, fc.bias.grad]
 
@@ -817,3 +825,53 @@ def test_checkpoint_sequential_bad_segments(seeded):
     with pytest.warns(UserWarning, match="pass use_reentrant explicitly"):
         out = checkpoint_sequential(fns, 2, x)
     assert torch.equal(out, x.sin().cos())
+
+
+# --- early stop (issue 12, point 2) ------------------------------------------------------------
+
+
+def _tail_region(x, w):
+    """Its last saved tensor is the matmul's input: what follows is never recomputed with
+    early stop, including draws from the default stream and inside the tracker fork."""
+    with get_cuda_rng_tracker().fork():
+        h = F.dropout(x.exp(), P)
+        y = (h @ w) + torch.rand(x.shape[0], w.shape[1])  # mm saves h and w before it runs
+    return y + torch.rand(1)
+
+
+def _tail_step(seeded, run):
+    set_rng_snapshot(seeded)
+    x = torch.linspace(-1, 1, 12).view(3, 4).requires_grad_()
+    w = torch.linspace(-2, 1, 20).view(4, 5).requires_grad_()
+    out = run(x, w)
+    with _CountMatmuls() as count:
+        out.sum().backward(retain_graph=True)
+        first = [x.grad.clone(), w.grad.clone()]
+        out.sum().backward()
+    draws = [torch.rand(3)]
+    with get_cuda_rng_tracker().fork():
+        draws.append(torch.rand(3))
+    return [out, *first, x.grad, w.grad, *draws], count.n
+
+
+def test_early_stop_skips_the_tail_and_keeps_every_stream(seeded):
+    import torch.utils.checkpoint as tc
+
+    want, plain = _tail_step(seeded, _tail_region)
+    counts = {}
+    cases = {
+        "on": lambda x, w: checkpoint(_tail_region, False, x, w, use_reentrant=False),
+        "off": lambda x, w: checkpoint(
+            _tail_region, False, x, w, use_reentrant=False, early_stop=False
+        ),
+    }
+    for name, run in cases.items():
+        got, counts[name] = _tail_step(seeded, run)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), name
+    # Two backward passes, each recomputes once; only "off" recomputes the matmul.
+    assert counts["on"] == plain and counts["off"] == plain + 2
+    # Switchable globally, ours and torch's context manager alike.
+    for switch in (set_checkpoint_early_stop, tc.set_checkpoint_early_stop):
+        with switch(False):
+            got, n = _tail_step(seeded, cases["on"])
+        assert n == plain + 2 and all(torch.equal(a, b) for a, b in zip(want, got))

@@ -57,7 +57,7 @@ def _check_against_torch(r, w, dtype_name):
         logits, target, grad = _inputs(dtype, ignore_index, n_ignored)
         ref_loss, ref_grad = _reference(logits, target, grad, eps, ignore_index)
         shard = logits.chunk(w, dim=-1)[r].clone().requires_grad_()
-        loss = vocab_parallel_cross_entropy(shard, target, eps, ignore_index)
+        loss = vocab_parallel_cross_entropy(shard, target, eps, ignore_index=ignore_index)
         assert loss.dtype == torch.float32 and loss.shape == target.shape
         torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
         assert torch.all(loss[target == ignore_index] == 0)
@@ -68,7 +68,7 @@ def _check_against_torch(r, w, dtype_name):
         assert torch.all(shard.grad[target == ignore_index] == 0)
         # An expanded incoming gradient (sum) gives the same result as feeding ones.
         shard.grad = None
-        vocab_parallel_cross_entropy(shard, target, eps, ignore_index).sum().backward()
+        vocab_parallel_cross_entropy(shard, target, eps, ignore_index=ignore_index).sum().backward()
         _, ones_grad = _reference(logits, target, torch.ones(S, B), eps, ignore_index)
         torch.testing.assert_close(
             shard.grad.float(), ones_grad.chunk(w, dim=-1)[r], **GRAD_TOL[dtype_name]

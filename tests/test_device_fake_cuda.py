@@ -202,7 +202,7 @@ def test_linear_function_asks_for_the_overlap_check(monkeypatch):
     x, w = torch.ones(2, 4), torch.ones(3, 4)
     # allreduce_dgrad communicates only in backward, so forward needs no process group.
     linear_with_grad_accumulation_and_async_allreduce(
-        x, w, None, False, allreduce_dgrad=True, tp_group=object()
+        x, w, None, False, allreduce_dgrad=True, sequence_parallel=False, tp_group=object()
     )
-    linear_with_grad_accumulation_and_async_allreduce(x, w, None, False)
+    linear_with_grad_accumulation_and_async_allreduce(x, w, None, False, False, False)
     assert calls == ["async tensor-model-parallel all-reduce"]

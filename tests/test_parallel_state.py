@@ -1,22 +1,37 @@
-"""parallel_state on real gloo ranks: groups, getters, errors on every rank, re-initialization."""
+"""parallel_state on real gloo ranks: groups, getters, errors on every rank, re-initialization.
+
+Every group a getter returns is compared with compute_rank_layout (itself checked against
+hand-written megatron-core 0.16 tables in test_rank_grid.py), and real collectives run over them.
+"""
+
+import datetime
+import importlib.util
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_core import _parallel_setup
 from megatron_core import parallel_state as ps
 from megatron_core.errors import MegatronCoreError
+from megatron_core.process_groups_config import ProcessGroupCollection
 from megatron_core.testing import run_distributed
+from megatron_core.utils import GlobalMemoryBuffer
 
-# (tp, pp, cp, ep, order) per world size; several configs share one set of worker processes.
+# (tp, pp, cp, ep, etp, order) per world size; several configs share one set of worker processes.
 CONFIGS = {
+    1: [(1, 1, 1, 1, None, "tp-cp-ep-dp-pp")],
+    2: [(2, 1, 1, 1, None, "tp-cp-ep-dp-pp"), (1, 1, 2, 2, None, "tp-cp-ep-dp-pp")],
     4: [
-        (2, 2, 1, 1, "tp-cp-ep-dp-pp"),
-        (1, 2, 1, 2, "tp-cp-ep-dp-pp"),
-        (1, 2, 1, 1, "tp-pp-dp"),
-        (2, 1, 2, 1, "tp-cp-ep-dp-pp"),
+        (2, 2, 1, 1, None, "tp-cp-ep-dp-pp"),
+        (1, 2, 1, 2, None, "tp-cp-ep-dp-pp"),
+        (1, 2, 1, 1, None, "tp-pp-dp"),
+        (2, 1, 2, 2, 1, "tp-cp-ep-dp-pp"),
+        (1, 1, 4, 4, None, "tp-cp-ep-dp-pp"),
     ],
-    8: [(2, 2, 2, 1, "tp-cp-ep-dp-pp"), (2, 2, 1, 1, "tp-pp-dp"), (1, 4, 1, 2, "tp-cp-ep-dp-pp")],
+    8: [(2, 2, 2, 2, 1, "tp-cp-ep-dp-pp"), (1, 1, 4, 4, None, "tp-cp-ep-dp-pp")],
 }
 
 GROUP_GETTERS = {
@@ -27,11 +42,16 @@ GROUP_GETTERS = {
     "cp": ps.get_context_parallel_group,
     "mp": ps.get_model_parallel_group,
     "tp-cp": ps.get_tensor_and_context_parallel_group,
+    "tp-dp": ps.get_tensor_and_data_parallel_group,
+    "tp-dp-cp": lambda: ps.get_amax_reduction_group(with_context_parallel=True),
     "ep": ps.get_expert_model_parallel_group,
-    "tp-ep": ps.get_tensor_and_expert_parallel_group,
-    "dp-modulo-ep": ps.get_data_modulo_expert_parallel_group,
-    "embedding": ps.get_embedding_group,
-    "position_embedding": ps.get_position_embedding_group,
+    "expt-tp": ps.get_expert_tensor_parallel_group,
+    "tp-ep": ps.get_expert_tensor_and_model_parallel_group,
+    "tp-ep-pp": ps.get_expert_tensor_model_pipeline_parallel_group,
+    "expt-dp": ps.get_expert_data_parallel_group,
+    "intra-dist-opt": ps.get_intra_distributed_optimizer_instance_group,
+    "embedding": lambda: ps.get_embedding_group(check_initialized=False),
+    "position_embedding": lambda: ps.get_position_embedding_group(check_initialized=False),
 }
 
 
@@ -39,15 +59,16 @@ def _observe() -> dict:
     """What this rank sees through the public getters and real collectives."""
     seen = {}
     for kind, get in GROUP_GETTERS.items():
-        try:
-            seen[kind] = dist.get_process_group_ranks(get())
-        except MegatronCoreError as e:  # middle pipeline stages hold no embedding
-            assert kind in ("embedding", "position_embedding"), e
-            seen[kind] = None
-    # A real collective over the TP group: the sum of its global ranks.
-    x = torch.tensor([float(dist.get_rank())])
-    dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())
-    seen["tp_rank_sum"] = int(x.item())
+        group = get()
+        seen[kind] = None if group is None else dist.get_process_group_ranks(group)
+    # Real collectives: the sum of global ranks over the tensor and the expert-parallel groups.
+    for kind, group in (
+        ("tp", ps.get_tensor_model_parallel_group()),
+        ("ep", ps.get_expert_model_parallel_group()),
+    ):
+        x = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(x, group=group)
+        seen[f"{kind}_sum"] = int(x.item())
     seen["scalars"] = (
         ps.get_tensor_model_parallel_rank(),
         ps.get_tensor_model_parallel_world_size(),
@@ -59,8 +80,14 @@ def _observe() -> dict:
         ps.get_context_parallel_world_size(),
         ps.get_expert_model_parallel_rank(),
         ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_tensor_parallel_world_size(),
+        ps.get_expert_data_parallel_rank(),
+        ps.get_expert_data_parallel_world_size(),
         ps.get_tensor_model_parallel_src_rank(),
         ps.get_data_parallel_src_rank(),
+        ps.get_model_parallel_src_rank(),
+        ps.get_expert_model_parallel_src_rank(),
         ps.get_pipeline_model_parallel_first_rank(),
         ps.get_pipeline_model_parallel_last_rank(),
         ps.get_pipeline_model_parallel_next_rank(),
@@ -71,17 +98,19 @@ def _observe() -> dict:
         ps.is_rank_in_position_embedding_group(),
     )
     seen["gloo"] = dist.get_process_group_ranks(ps.get_data_parallel_group_gloo())
+    seen["expt_gloo"] = dist.get_process_group_ranks(ps.get_expert_data_parallel_group_gloo())
     return seen
 
 
 def _body_layouts(configs):
     results = []
-    for tp, pp, cp, ep, order in configs:
+    for tp, pp, cp, ep, etp, order in configs:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             context_parallel_size=cp,
             expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
             order=order,
         )
         results.append(_observe())
@@ -99,42 +128,33 @@ def _group_of(layout, kind, rank):
 @pytest.mark.parametrize("world_size", sorted(CONFIGS))
 def test_groups_on_real_ranks_match_layout(world_size):
     per_rank = run_distributed(_body_layouts, world_size, CONFIGS[world_size], timeout=240)
-    for i, (tp, pp, cp, ep, order) in enumerate(CONFIGS[world_size]):
-        layout = ps.compute_rank_layout(world_size, tp, pp, cp, ep, order)
+    for i, (tp, pp, cp, ep, etp, order) in enumerate(CONFIGS[world_size]):
+        layout = ps.compute_rank_layout(
+            world_size, tp, pp, cp, ep, order, expert_tensor_parallel_size=etp
+        )
         for rank, results in enumerate(per_rank):
             seen = results[i]
-            for kind in GROUP_GETTERS:
-                assert seen[kind] == _group_of(layout, kind, rank), (kind, rank)
-            tp_group = _group_of(layout, "tp", rank)
-            pp_group = _group_of(layout, "pp", rank)
-            dp_group = _group_of(layout, "dp", rank)
-            emb = _group_of(layout, "embedding", rank)
-            stage = pp_group.index(rank)
+            mine = {kind: _group_of(layout, kind, rank) for kind in GROUP_GETTERS}
+            for kind in GROUP_GETTERS:  # torch reports a group's ranks sorted
+                assert seen[kind] == (mine[kind] and sorted(mine[kind])), (kind, rank)
+            stage = mine["pp"].index(rank)
             expected = (
-                tp_group.index(rank),
-                tp,
-                stage,
-                pp,
-                dp_group.index(rank),
-                len(dp_group),
-                _group_of(layout, "cp", rank).index(rank),
-                cp,
-                _group_of(layout, "ep", rank).index(rank),
-                ep,
-                tp_group[0],
-                dp_group[0],
-                pp_group[0],
-                pp_group[-1],
-                pp_group[(stage + 1) % pp],
-                pp_group[(stage - 1) % pp],
-                stage == 0,
-                stage == pp - 1,
-                emb is not None,
-                _group_of(layout, "position_embedding", rank) is not None,
-            )
+                mine["tp"].index(rank), tp,
+                stage, pp,
+                mine["dp"].index(rank), len(mine["dp"]),
+                mine["cp"].index(rank), cp,
+                mine["ep"].index(rank), ep,
+                mine["expt-tp"].index(rank), len(mine["expt-tp"]),
+                mine["expt-dp"].index(rank), world_size // (len(mine["expt-tp"]) * ep * pp),
+                mine["tp"][0], mine["dp"][0], mine["mp"][0], mine["ep"][0],
+                mine["pp"][0], mine["pp"][-1],
+                mine["pp"][(stage + 1) % pp], mine["pp"][(stage - 1) % pp],
+                stage == 0, stage == pp - 1,
+                mine["embedding"] is not None, mine["position_embedding"] is not None,
+            )  # fmt: skip
             assert seen["scalars"] == expected, (order, rank)
-            assert seen["tp_rank_sum"] == sum(tp_group)
-            assert seen["gloo"] == dp_group
+            assert seen["tp_sum"] == sum(mine["tp"]) and seen["ep_sum"] == sum(mine["ep"])
+            assert seen["gloo"] == mine["dp"] and seen["expt_gloo"] == mine["expt-dp"]
 
 
 def _body_errors(world_size):
@@ -153,11 +173,15 @@ def _body_errors(world_size):
     expect(ps.initialize_model_parallel, tensor_model_parallel_size=3)
     expect(ps.initialize_model_parallel, tensor_model_parallel_size=0)
     expect(ps.initialize_model_parallel, order="tp-foo-dp")
-    expect(ps.initialize_model_parallel, order="tp-dp-dp")
     expect(ps.initialize_model_parallel, expert_model_parallel_size=3)
     expect(ps.initialize_model_parallel, virtual_pipeline_model_parallel_size=2)
+    expect(ps.initialize_model_parallel, sharp_enabled_group="dp")
+    expect(ps.initialize_model_parallel, use_sharp=True, sharp_enabled_group="tp")
+    expect(ps.initialize_model_parallel, pipeline_model_parallel_comm_backend="mpi")
+    expect(ps.initialize_model_parallel, distributed_timeout_minutes=0)
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     expect(ps.initialize_model_parallel)  # twice without destroy
+    expect(ps.get_data_parallel_group, partial_data_parallel=True)
     ps.destroy_model_parallel()
     # Everything still works after all those refusals: no rank is stuck in a collective.
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
@@ -168,19 +192,20 @@ def _body_errors(world_size):
 
 
 def test_bad_input_raises_on_every_rank_without_hanging():
-    world_size = 4
-    for messages in run_distributed(_body_errors, world_size, world_size, timeout=120):
+    for messages in run_distributed(_body_errors, 4, 4, timeout=120):
         assert "not initialized" in messages[0] and "not initialized" in messages[1]
         assert "tensor_model_parallel_size (3)" in messages[2] and "world size (4)" in messages[2]
         assert "tensor_model_parallel_size (0) must be an integer >= 1" in messages[3]
         assert "unknown token(s) ['foo']" in messages[4]
-        assert "repeats token(s) ['dp']" in messages[5]
-        assert (
-            "expert_model_parallel_size (3) must divide the data-parallel size (4)" in (messages[6])
-        )
-        assert "virtual_pipeline_model_parallel_size (2)" in messages[7]
-        assert "called twice" in messages[8]
-        assert messages[9] == world_size
+        assert "expert_model_parallel_size (3)" in messages[5] and "= 3 must divide" in messages[5]
+        assert "virtual_pipeline_model_parallel_size (2)" in messages[6]
+        assert "only valid with use_sharp=True" in messages[7]
+        assert "sharp_enabled_group ('tp') must be 'dp' or 'dp_replica'" in messages[8]
+        assert "pipeline_model_parallel_comm_backend ('mpi')" in messages[9]
+        assert "distributed_timeout_minutes (0)" in messages[10]
+        assert "called twice" in messages[11]
+        assert "partial_data_parallel=True needs with_context_parallel=True" in messages[12]
+        assert messages[13] == 4
 
 
 def test_initialize_without_torch_distributed_raises():
@@ -190,41 +215,112 @@ def test_initialize_without_torch_distributed_raises():
     assert not ps.model_parallel_is_initialized()
 
 
+def test_setters_and_getters_without_initialize():
+    # megatron-core's unit tests set sizes and ranks without creating any group.
+    try:
+        assert ps.get_data_parallel_world_size() == 0  # no torch.distributed: 0, as in 0.16
+        assert ps.get_expert_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        assert ps.get_expert_tensor_parallel_world_size() is None
+        ps.set_tensor_model_parallel_world_size(4)
+        ps.set_tensor_model_parallel_rank(3)
+        ps.set_pipeline_model_parallel_world_size(2)
+        ps.set_pipeline_model_parallel_rank(1)
+        ps.set_data_parallel_rank(5)
+        ps.set_expert_model_parallel_world_size(8)
+        ps.set_expert_model_parallel_rank(7)
+        ps.set_virtual_pipeline_model_parallel_world_size(3)
+        assert ps.get_tensor_model_parallel_world_size() == 4
+        assert ps.get_tensor_model_parallel_rank() == 3
+        assert (
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+        ) == (4, 3)
+        ps.set_expert_tensor_parallel_world_size(2)
+        ps.set_expert_tensor_parallel_rank(1)
+        assert (
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+        ) == (2, 1)
+        assert ps.get_pipeline_model_parallel_world_size() == 2
+        assert ps.is_pipeline_last_stage() and not ps.is_pipeline_first_stage()
+        assert ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=2)
+        assert not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1)
+        with pytest.raises(MegatronCoreError, match="vp_stage must be passed"):
+            ps.is_pipeline_first_stage(ignore_virtual=False)
+        assert ps.get_data_parallel_rank() == 5
+        assert (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()) == (
+            8,
+            7,
+        )
+        assert not ps.is_initialized() and not ps.is_rank_in_embedding_group()
+        assert not ps.is_rank_in_position_embedding_group()
+        with pytest.warns(DeprecationWarning):
+            assert ps.is_unitialized()
+        with pytest.raises(MegatronCoreError, match="global memory buffer is not initialized"):
+            ps.get_global_memory_buffer()
+    finally:
+        ps.destroy_model_parallel()
+    with pytest.raises(MegatronCoreError, match="not initialized"):
+        ps.get_tensor_model_parallel_world_size()  # destroy dropped the overrides
+    assert ps.get_tensor_model_parallel_group(check_initialized=False) is None
+    assert ps.get_virtual_pipeline_model_parallel_world_size() is None
+
+
+def test_global_memory_buffer_reuses_one_allocation_per_name_and_dtype():
+    buf = GlobalMemoryBuffer()
+    a = buf.get_tensor((2, 3), torch.float32, "mpu")
+    a.fill_(1.0)
+    b = buf.get_tensor([6], torch.float32, "mpu")  # same name and dtype: same memory
+    assert b.data_ptr() == a.data_ptr() and torch.equal(b, torch.ones(6))
+    c = buf.get_tensor((4,), torch.bfloat16, "mpu")  # another dtype: another buffer
+    assert c.dtype == torch.bfloat16 and c.data_ptr() != a.data_ptr()
+    d = buf.get_tensor((5, 2), torch.float32, "mpu")  # larger: grows
+    assert d.shape == (5, 2) and buf.buffer[("mpu", torch.float32)].numel() == 10
+
+
 def _body_virtual_pipeline():
     ps.initialize_model_parallel(
         pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
     )
     seen = []
     for chunk in range(2):
-        ps.set_virtual_pipeline_model_parallel_rank(chunk)
         seen.append(
             (
-                ps.get_virtual_pipeline_model_parallel_rank(),
                 ps.is_pipeline_first_stage(),
                 ps.is_pipeline_last_stage(),
-                ps.is_pipeline_first_stage(ignore_virtual=True),
+                ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=chunk),
+                ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk),
+                ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=chunk),
                 ps.is_rank_in_embedding_group(),
-                ps.is_rank_in_embedding_group(ignore_virtual=True),
             )
         )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ps.set_virtual_pipeline_model_parallel_rank(1)
+    seen.append((ps.get_virtual_pipeline_model_parallel_rank(), caught[0].category.__name__))
     return seen
 
 
 def test_virtual_pipeline_stages():
     rank0, rank1 = run_distributed(_body_virtual_pipeline, 2)
-    # Stage 0 is "first" only on chunk 0; stage 1 is "last" only on the last chunk.
-    assert rank0 == [(0, True, False, True, True, True), (1, False, False, True, False, True)]
-    assert rank1 == [(0, False, False, False, False, True), (1, False, True, False, True, True)]
+    # ignore_virtual defaults to True (0.16); with vp_stage, stage 0 is "first" only on chunk 0
+    # and stage 1 is "last" only on the last chunk.
+    assert rank0[:2] == [
+        (True, False, True, False, True, True),
+        (True, False, False, False, False, True),
+    ]
+    assert rank1[:2] == [
+        (False, True, False, False, False, True),
+        (False, True, False, True, True, True),
+    ]
+    assert rank0[2] == (1, "DeprecationWarning")
 
 
-def _ranks_or_none(get):
-    try:
-        return dist.get_process_group_ranks(get())
-    except MegatronCoreError:
-        return None
+def _ranks_or_none(group):
+    return None if group is None else dist.get_process_group_ranks(group)
 
 
-def _body_more_getters():
+def _body_more_getters(tmp_config):
     out = {}
     ps.initialize_model_parallel(
         pipeline_model_parallel_size=4,
@@ -232,8 +328,8 @@ def _body_more_getters():
         create_gloo_process_groups=False,
     )
     out["split"] = ps.get_pipeline_model_parallel_split_rank()
-    out["embedding"] = _ranks_or_none(ps.get_embedding_group)
-    out["position"] = _ranks_or_none(ps.get_position_embedding_group)
+    out["embedding"] = _ranks_or_none(ps.get_embedding_group(check_initialized=False))
+    out["position"] = _ranks_or_none(ps.get_position_embedding_group(check_initialized=False))
     out["in_groups"] = (ps.is_rank_in_embedding_group(), ps.is_rank_in_position_embedding_group())
     try:
         ps.get_data_parallel_group_gloo()
@@ -241,7 +337,18 @@ def _body_more_getters():
     except MegatronCoreError as e:
         out["no_gloo"] = str(e)
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    # NCCL-only options are accepted on gloo and have no effect (NOTE [ NCCL-only options ]).
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=2,
+        context_parallel_size=2,
+        hierarchical_context_parallel_sizes=[2],
+        num_distributed_optimizer_instances=2,
+        create_all_gather_group=True,
+        use_sharp=True,
+        high_priority_stream_groups=["dp_cp", "ep_dp"],
+        nccl_communicator_config_path=tmp_config,
+        distributed_timeout_minutes=7,
+    )
     out["mp"] = (ps.get_model_parallel_rank(), ps.get_model_parallel_world_size())
     out["tp-cp"] = (
         ps.get_tensor_and_context_parallel_rank(),
@@ -251,9 +358,47 @@ def _body_more_getters():
         ps.get_data_parallel_rank(with_context_parallel=True),
         ps.get_data_parallel_world_size(with_context_parallel=True),
         ps.get_data_parallel_src_rank(with_context_parallel=True),
-        dist.get_process_group_ranks(ps.get_data_parallel_group_gloo(with_context_parallel=True)),
+        _ranks_or_none(ps.get_data_parallel_group_gloo(with_context_parallel=True)),
     )
     out["cp_ranks"] = ps.get_context_parallel_global_ranks()
+    out["hcp"] = [_ranks_or_none(g) for g in ps.get_hierarchical_context_parallel_groups()]
+    ag = ps.get_data_parallel_group(with_context_parallel=True, independent_all_gather=True)
+    out["ag"] = (ps.has_separate_all_gather_group(), _ranks_or_none(ag),
+                 ag is not ps.get_data_parallel_group(with_context_parallel=True))  # fmt: skip
+    out["partial"] = [
+        _ranks_or_none(ps.get_data_parallel_group(True, partial_data_parallel=True)),
+        _ranks_or_none(ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)),
+        _ranks_or_none(ps.get_inter_distributed_optimizer_instance_group()),
+        _ranks_or_none(ps.get_intra_distributed_optimizer_instance_group()),
+    ]
+    out["amax"] = [
+        _ranks_or_none(ps.get_amax_reduction_group(w, t))
+        for w in (False, True)
+        for t in (False, True)
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        out["modulo"] = _ranks_or_none(ps.get_data_modulo_expert_parallel_group())
+    out["all_ranks"] = ps.get_all_ranks()
+    buffer = ps.get_global_memory_buffer()
+    out["buffer"] = tuple(buffer.get_tensor((2, 2), torch.float32, "mpu").shape)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    out["pgs"] = {
+        name: _ranks_or_none(getattr(pgs, name)) for name in ("tp", "dp_cp", "ep", "inter_dist_opt")
+    }
+    ddp = SimpleNamespace(num_distributed_optimizer_instances=2, use_distributed_optimizer=True)
+    for_ddp = ProcessGroupCollection.setup_process_groups_for_ddp(None, None, ddp)
+    chunk = SimpleNamespace(ddp_config=ddp)
+    for_opt = ProcessGroupCollection.setup_process_groups_for_optimizer(None, [chunk])
+    out["setup"] = (
+        _ranks_or_none(for_ddp["inter_dist_opt_group"]),
+        _ranks_or_none(for_opt["intra_dp_cp_group_gloo"]),
+        _ranks_or_none(for_opt["expt_tp_pp_group"]),
+    )
+    ps.update_pg_timeout(datetime.timedelta(minutes=9))
+    x = torch.ones(1)
+    dist.all_reduce(x, group=ps.get_data_parallel_group(with_context_parallel=True))
+    out["after_timeout"] = int(x.item())
     ps.destroy_model_parallel()
     out["after_destroy"] = (
         ps.model_parallel_is_initialized(),
@@ -262,10 +407,36 @@ def _body_more_getters():
     return out
 
 
-def test_split_rank_gloo_off_and_combined_getters_on_real_ranks():
+HAVE_YAML = importlib.util.find_spec("yaml") is not None
+
+
+def _nccl_config(tmp_path):
+    config = tmp_path / "nccl.yaml"
+    config.write_text("dp_cp:\n  max_ctas: 16\ntp:\n  net_name: socket\n")
+    return str(config)
+
+
+def test_nccl_config_file_is_read_and_validated(tmp_path):
+    path = _nccl_config(tmp_path)
+    if HAVE_YAML:
+        assert _parallel_setup.load_nccl_config(path) == {
+            "dp_cp": {"max_ctas": 16},
+            "tp": {"net_name": "socket"},
+        }
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("tp:\n  net_name: carrier-pigeon\n")
+        with pytest.raises(MegatronCoreError, match=r"net_name \('carrier-pigeon'\)"):
+            _parallel_setup.load_nccl_config(str(bad))
+    else:  # the only optional dependency: its absence is a clear error, not a skip
+        with pytest.raises(MegatronCoreError, match="needs the PyYAML package"):
+            _parallel_setup.load_nccl_config(path)
+
+
+def test_split_rank_nccl_options_partial_groups_and_more_getters(tmp_path):
+    config = _nccl_config(tmp_path) if HAVE_YAML else None
     split = ps.compute_rank_layout(4, 1, 4, pipeline_model_parallel_split_rank=2)
-    tpcp = ps.compute_rank_layout(4, 2, 1, 2)
-    for rank, out in enumerate(run_distributed(_body_more_getters, 4, timeout=120)):
+    grid = ps.compute_rank_layout(4, 2, 1, 2, num_distributed_optimizer_instances=2)
+    for rank, out in enumerate(run_distributed(_body_more_getters, 4, config, timeout=120)):
         emb = _group_of(split, "embedding", rank)
         pos = _group_of(split, "position_embedding", rank)
         assert out["split"] == 2
@@ -273,26 +444,35 @@ def test_split_rank_gloo_off_and_combined_getters_on_real_ranks():
         assert emb in ([0, 2, 3], None) and pos in ([0, 2], None)
         assert out["in_groups"] == (emb is not None, pos is not None)
         assert "create_gloo_process_groups=False" in out["no_gloo"]
-        mp, tp_cp = _group_of(tpcp, "mp", rank), _group_of(tpcp, "tp-cp", rank)
-        dp_cp = _group_of(tpcp, "dp-cp", rank)
-        assert out["mp"] == (mp.index(rank), len(mp))
-        assert out["tp-cp"] == (tp_cp.index(rank), 4)
-        assert out["dp-cp"] == (dp_cp.index(rank), 2, dp_cp[0], dp_cp)
-        assert out["cp_ranks"] == _group_of(tpcp, "cp", rank)
+        mine = {kind: _group_of(grid, kind, rank) for kind in grid if kind in (
+            "mp", "tp-cp", "dp-cp", "cp", "intra-dp-cp", "intra-expt-dp", "inter-dist-opt",
+            "intra-dist-opt", "tp", "tp-dp", "tp-dp-cp", "expt-dp", "ep")}  # fmt: skip
+        assert out["mp"] == (mine["mp"].index(rank), len(mine["mp"]))
+        assert out["tp-cp"] == (mine["tp-cp"].index(rank), 4)
+        assert out["dp-cp"] == (mine["dp-cp"].index(rank), 2, mine["dp-cp"][0], mine["dp-cp"])
+        assert out["cp_ranks"] == mine["cp"] and out["hcp"] == [mine["cp"]]
+        assert out["ag"] == (True, mine["dp-cp"], True)
+        assert out["partial"] == [
+            mine["intra-dp-cp"], mine["intra-expt-dp"], mine["inter-dist-opt"],
+            mine["intra-dist-opt"],
+        ]  # fmt: skip
+        assert out["amax"] == [mine["tp-dp"], mine["tp"], mine["tp-dp-cp"], mine["tp-cp"]]
+        assert out["modulo"] == mine["expt-dp"]
+        tp_rank, cp_rank = mine["tp"].index(rank), mine["cp"].index(rank)
+        assert out["all_ranks"] == f"{tp_rank}_0_{cp_rank}_0_0"
+        assert out["buffer"] == (2, 2)
+        assert out["pgs"] == {"tp": mine["tp"], "dp_cp": mine["dp-cp"], "ep": mine["ep"],
+                              "inter_dist_opt": mine["inter-dist-opt"]}  # fmt: skip
+        assert out["setup"] == (mine["inter-dist-opt"], mine["intra-dp-cp"], mine["tp"])
+        assert out["after_timeout"] == 2
         assert out["after_destroy"] == (False, None)
-
-
-def test_unchecked_tensor_group_is_none_before_initialize():
-    assert ps.get_tensor_model_parallel_group(check_initialized=False) is None
-    with pytest.raises(MegatronCoreError, match="not initialized"):
-        ps.get_tensor_model_parallel_group()
 
 
 def _body_reinitialize_reuses_groups():
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     tp_first = ps.get_tensor_model_parallel_group()
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, distributed_timeout_minutes=5)
     tp_again = ps.get_tensor_model_parallel_group()
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=1)  # another layout: other groups
@@ -304,6 +484,42 @@ def _body_reinitialize_reuses_groups():
 
 def test_reinitialize_after_destroy_reuses_the_same_groups():
     # destroy_model_parallel drops the state but keeps the communicators (as megatron-core does);
-    # the same layout gets the same ProcessGroup objects back instead of new gloo connections.
+    # the same layout gets the same ProcessGroup objects back, even with another timeout.
     for same, other, total in run_distributed(_body_reinitialize_reuses_groups, 4):
         assert (same, other, total) == (True, False, 2)
+
+
+def test_process_group_collection_holds_only_what_it_was_given():
+    pgs = ProcessGroupCollection(tp=None)
+    assert hasattr(pgs, "tp") and not hasattr(pgs, "dp")
+    assert repr(pgs) == "ProcessGroupCollection(tp(None))"
+    assert repr(ProcessGroupCollection()) == "ProcessGroupCollection(empty)"
+    with pytest.raises(ValueError, match="Unknown attribute: tpp"):
+        ProcessGroupCollection(tpp=None)
+    with pytest.raises(ValueError, match=r"Invalid process groups requested: \['zz'\]"):
+        ProcessGroupCollection.use_mpu_process_groups(["tp", "zz"])
+
+
+def test_setup_helpers_with_an_explicit_collection():
+    tp, dp, ep, pp, mp, expt, tep = (object() for _ in range(7))
+    pgs = ProcessGroupCollection(tp=tp, pp=pp, ep=ep, dp=dp, expt_dp=expt, mp=mp, tp_ep_pp=tep)
+    ddp_config = SimpleNamespace(
+        num_distributed_optimizer_instances=1, use_distributed_optimizer=False
+    )
+    groups = ProcessGroupCollection.setup_process_groups_for_ddp(pgs, None, ddp_config)
+    assert groups["dp_cp_group"] is dp and groups["intra_expt_dp_group"] is expt
+    assert (groups["tp_group"], groups["pp_group"], groups["ep_group"]) == (tp, pp, ep)
+    chunk = SimpleNamespace(ddp_config=ddp_config, config=SimpleNamespace(context_parallel_size=1))
+    opt = ProcessGroupCollection.setup_process_groups_for_optimizer(pgs, [chunk], False)
+    assert opt["mp_group"] is mp and opt["expt_tp_pp_group"] is tep
+    assert opt["inter_dist_opt_group"] is None and opt["intra_dist_opt_group"] is None
+    chunk.config.context_parallel_size = 2
+    with pytest.raises(ValueError, match=r"dp_cp process group is required .* \(2\)"):
+        ProcessGroupCollection.setup_process_groups_for_optimizer(pgs, [chunk], False)
+    chunk.ddp_config.num_distributed_optimizer_instances = 2
+    pgs.dp_cp = dp
+    with pytest.raises(ValueError, match="intra_dp_cp process group is required"):
+        ProcessGroupCollection.setup_process_groups_for_optimizer(pgs, [chunk], False)
+    with pytest.raises(ValueError, match="Gloo process groups are not supported"):
+        chunk.ddp_config.num_distributed_optimizer_instances = 1
+        ProcessGroupCollection.setup_process_groups_for_optimizer(pgs, [chunk], True)

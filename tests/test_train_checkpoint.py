@@ -5,6 +5,7 @@ Every check trains a tiny GPT (2 layers, hidden 32, sequence 16) through ``train
 ``run_distributed`` and compares with an uninterrupted run from the same seed.
 """
 
+import errno
 import json
 import os
 import pickle
@@ -21,11 +22,14 @@ from megatron_core.testing import DistributedTestError, run_distributed
 from megatron_core.training import (
     MANIFEST_FILENAME,
     TRACKER_FILENAME,
+    ByteCorpus,
     build_model_and_optimizer,
     load_checkpoint,
     model_config,
     parse_args,
+    save_checkpoint,
     train,
+    train_step,
     validate_args,
 )
 
@@ -58,7 +62,7 @@ def _argv(**options) -> list[str]:
 
 def _train(argv: list[str]):
     result = train(parse_args(argv))
-    params = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
+    params = {k: v.detach().clone() for k, v in result.model.state_dict().items() if v is not None}
     return result.losses, params
 
 
@@ -181,8 +185,8 @@ def test_load_with_changed_schedule_warns_with_old_and_new_values(tmp_path):
 # --- damaged checkpoints ----------------------------------------------------------------------
 
 
-def _fresh(tp: int, hidden: int = 32):
-    args = parse_args(_argv(tensor_model_parallel_size=tp, hidden_size=hidden))
+def _fresh(tp: int, hidden: int = 32, **options):
+    args = parse_args(_argv(tensor_model_parallel_size=tp, hidden_size=hidden, **options))
     validate_args(args, dist.get_world_size())
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(args.seed)
@@ -192,14 +196,14 @@ def _fresh(tp: int, hidden: int = 32):
 def _failed_load(directory: str, tp: int = 2, hidden: int = 32):
     """Load ``directory`` into a fresh model; returns (error message, nothing changed)."""
     model, optimizer = _fresh(tp, hidden)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
     rng_before = torch.get_rng_state()
     try:
         load_checkpoint(directory, model, optimizer)
         message = None
     except MegatronCoreError as exc:
         message = str(exc)
-    unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    unchanged = all(torch.equal(before[k], model.state_dict()[k]) for k in before)
     unchanged = unchanged and not optimizer.state and torch.equal(rng_before, torch.get_rng_state())
     parallel_state.destroy_model_parallel()
     return message, unchanged
@@ -296,3 +300,149 @@ def test_other_model_configuration_is_named_by_its_flag(tmp_path):
         DistributedTestError, match=r"trained with --hidden-size 32 \(this run: 64\)"
     ):
         run_distributed(_losses, 1, _argv(train_iters=2, load=directory, hidden_size=64))
+
+
+# --- interrupted and failing saves ------------------------------------------------------------
+
+
+def _failing_writer(failure: str):
+    """A DCP writer that, on global rank 1, writes part of its file and then fails: the disk is
+    full (ENOSPC) or the process is killed (os._exit, no cleanup of any kind)."""
+    from megatron_core.training import checkpoint
+
+    class Writer(checkpoint.FileSystemWriter):
+        def write_data(self, plan, planner):
+            if dist.get_rank() != 1:
+                return super().write_data(plan, planner)
+            with open(Path(self.path) / "__1_0.distcp", "wb") as file:
+                file.write(b"\0" * 4096)
+            if failure == "killed":
+                os._exit(1)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+    checkpoint.FileSystemWriter = Writer
+
+
+def _save_twice_second_fails(directory: str, failure: str):
+    """Iteration 2 saves fine; the save at iteration 4 fails on rank 1."""
+    argv = _argv(train_iters=4, save=directory, save_interval=2, tensor_model_parallel_size=1)
+    from megatron_core.training import checkpoint, loop
+
+    original, writer = loop.save_checkpoint, checkpoint.FileSystemWriter
+    calls = []
+
+    def second_save_fails(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 2:
+            _failing_writer(failure)
+        return original(*args, **kwargs)
+
+    loop.save_checkpoint = second_save_fails
+    try:
+        train(parse_args(argv))
+    except MegatronCoreError as exc:
+        return str(exc)
+    finally:  # these workers serve later tests
+        loop.save_checkpoint, checkpoint.FileSystemWriter = original, writer
+    return None
+
+
+def _resume_losses(directory: str):
+    argv = _argv(train_iters=4, load=directory, save=directory, tensor_model_parallel_size=1)
+    return _losses(argv)
+
+
+def test_disk_full_during_save_fails_on_every_rank_and_leaves_no_temporary_files(tmp_path):
+    messages = run_distributed(_save_twice_second_fails, 2, str(tmp_path), "disk full")
+    for message in messages:
+        assert message is not None and "No space left on device" in message, message
+        assert message.startswith(f"saving checkpoint {tmp_path / 'iter_0000004'} failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", TRACKER_FILENAME]
+    assert (tmp_path / TRACKER_FILENAME).read_text().strip() == "2"
+    (losses,) = run_distributed(_resume_losses, 1, str(tmp_path))
+    assert sorted(losses) == [3, 4]
+
+
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    with pytest.raises(DistributedTestError):
+        run_distributed(_save_twice_second_fails, 2, str(tmp_path), "killed", timeout=120)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".iter_0000004.partial", "iter_0000002", TRACKER_FILENAME], names
+    assert (tmp_path / TRACKER_FILENAME).read_text().strip() == "2"
+    (losses,) = run_distributed(_resume_losses, 1, str(tmp_path))  # loads iteration 2, saves 4
+    assert sorted(losses) == [3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000002",
+        "iter_0000004",
+        TRACKER_FILENAME,
+    ]
+
+
+# --- optimizers with fp32 master weights and extra state ---------------------------------------
+
+
+class _MasterWeightOptimizer:
+    """A stand-in for a mixed-precision optimizer (NOTE [ Checkpoint keys ], rule 4): AdamW
+    steps fp32 copies of the parameters, and a loss scale grows every step."""
+
+    def __init__(self, params, **kwargs):
+        self.params = list(params)
+        self.masters = [p.detach().clone() for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.masters, **kwargs)
+        self.param_groups = self.optimizer.param_groups
+        self.loss_scale = torch.tensor(1024.0)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        for p, master in zip(self.params, self.masters):
+            master.grad = p.grad
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                p.copy_(master)
+        self.loss_scale *= 2
+
+    def checkpoint_param_pairs(self):
+        return list(zip(self.params, self.masters))
+
+    def checkpoint_extra_state(self):
+        return {"loss_scale": self.loss_scale}
+
+    def load_checkpoint_extra_state(self, extra):
+        self.loss_scale.copy_(extra["loss_scale"])
+
+
+def _master_run(directory: str, tp: int, phase: str):
+    """phase "straight": 4 steps; "save": 2 steps then save; "load": load, then steps 3-4."""
+    args = parse_args(_argv(tensor_model_parallel_size=tp, train_iters=4, **NO_DROPOUT))
+    model, _ = _fresh(tp, **NO_DROPOUT)
+    optimizer = _MasterWeightOptimizer(model.parameters(), lr=1e-3)
+    corpus = ByteCorpus.load(None, args.seq_length)
+    start = 0
+    if phase == "load":
+        start = load_checkpoint(directory, model, optimizer).iteration
+    losses = {}
+    for step in range(start, 2 if phase == "save" else 4):
+        losses[step + 1] = train_step(model, optimizer, corpus, args, step)[0]
+    if phase == "save":
+        save_checkpoint(directory, 2, model, optimizer, {})
+    return losses, optimizer.loss_scale.item()
+
+
+@pytest.mark.parametrize("load_tp", [2, 1], ids=["same layout", "resharded to tp1"])
+def test_master_weights_and_extra_state_are_saved_and_resharded(tmp_path, load_tp):
+    """Tolerance 1e-5 relative, as for the other reshard test; bitwise at the same layout."""
+    straight, scale = run_distributed(_master_run, 2, str(tmp_path), 2, "straight")[0]
+    run_distributed(_master_run, 2, str(tmp_path), 2, "save")
+    resumed, resumed_scale = run_distributed(_master_run, load_tp, str(tmp_path), load_tp, "load")[
+        0
+    ]
+    assert sorted(resumed) == [3, 4] and resumed_scale == scale == 1024.0 * 2**4
+    got = torch.tensor([resumed[3], resumed[4]], dtype=torch.float64)
+    want = torch.tensor([straight[3], straight[4]], dtype=torch.float64)
+    if load_tp == 2:
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.pipeline_parallel._steps import (
     backward_step,
@@ -173,15 +172,9 @@ class _Interleaved:
     def microbatch(self, k: int) -> int:
         return (k // (self.pp * self.vp)) * self.pp + k % self.pp
 
-    def _set_virtual_rank(self, c: int) -> None:
-        if parallel_state.model_parallel_is_initialized():
-            if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
-                parallel_state.set_virtual_pipeline_model_parallel_rank(c)
-
     def forward(self, k: int) -> torch.Tensor | None:
         """Forward of virtual id k; returns what to send (None for the model's final chunk)."""
         c = self.chunk(k, True)
-        self._set_virtual_rank(c)
         if self.first and c == 0 and len(self.inputs[c]) == len(self.outputs[c]):
             self.inputs[c].append(None)
         is_last = self.last and c == self.vp - 1
@@ -210,7 +203,6 @@ class _Interleaved:
     def backward(self, k: int) -> torch.Tensor | None:
         """Backward of virtual id k; returns what to send (None for the model's first chunk)."""
         c = self.chunk(k, False)
-        self._set_virtual_rank(c)
         if self.last and c == self.vp - 1 and not self.output_grads[c]:
             self.output_grads[c].append(None)
         input_tensor = self.inputs[c].pop(0)

@@ -62,11 +62,13 @@ __all__ += [
 # --- section: layers.py (owner: layers) ---
 from megatron_core.tensor_parallel.layers import (  # noqa: E402
     ColumnParallelLinear,
+    LinearWithFrozenWeight,
     LinearWithGradAccumulationAndAsyncCommunication,
     RowParallelLinear,
     VocabParallelEmbedding,
     allreduce_sequence_parallel_grads,
     copy_tensor_model_parallel_attributes,
+    linear_with_frozen_weight,
     linear_with_grad_accumulation_and_async_allreduce,
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
@@ -79,6 +81,8 @@ __all__ += [
     "VocabParallelEmbedding",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "linear_with_grad_accumulation_and_async_allreduce",
+    "LinearWithFrozenWeight",
+    "linear_with_frozen_weight",
     "set_tensor_model_parallel_attributes",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "copy_tensor_model_parallel_attributes",
@@ -87,10 +91,22 @@ __all__ += [
 ]
 # --- end section: layers.py ---
 
-# --- section: cross_entropy.py (owner: mappings) ---
-from megatron_core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
+# --- section: inference_layers.py (Transformer Engine layers in megatron-core) ---
+from megatron_core.tensor_parallel.inference_layers import (  # noqa: E402
+    InferenceLayerNormColumnParallelLinear,
+    InferenceRowParallelLinear,
+)
 
-__all__ += ["vocab_parallel_cross_entropy"]
+__all__ += ["InferenceLayerNormColumnParallelLinear", "InferenceRowParallelLinear"]
+# --- end section: inference_layers.py ---
+
+# --- section: cross_entropy.py (owner: mappings) ---
+from megatron_core.tensor_parallel.cross_entropy import (  # noqa: E402
+    VocabParallelCrossEntropy,
+    vocab_parallel_cross_entropy,
+)
+
+__all__ += ["vocab_parallel_cross_entropy", "VocabParallelCrossEntropy"]
 # --- end section: cross_entropy.py ---
 
 # --- section: data.py (owner: mappings) ---
@@ -104,6 +120,7 @@ from megatron_core.tensor_parallel.random import (  # noqa: E402
     CudaRNGStatesTracker,
     InferenceCudaRNGStatesTracker,
     RNGSnapshot,
+    convert_cuda_rng_state,
     get_all_rng_states,
     get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
@@ -111,6 +128,7 @@ from megatron_core.tensor_parallel.random import (  # noqa: E402
     get_model_parallel_rng_tracker_name,
     get_rng_snapshot,
     initialize_rng_tracker,
+    is_graph_safe_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
     set_rng_snapshot,
 )
@@ -134,6 +152,8 @@ __all__ += [
     "initialize_rng_tracker",
     "model_parallel_cuda_manual_seed",
     "set_rng_snapshot",
+    "convert_cuda_rng_state",
+    "is_graph_safe_cuda_rng_tracker",
     # rng_state.py (the audit and save/load half of the RNG work)
     "RNGAuditReport",
     "audit_rng_streams",

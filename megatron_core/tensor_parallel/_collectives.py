@@ -22,6 +22,11 @@ Every function returns a fresh tensor and leaves its input untouched.
 2. Other backends (NCCL) reduce half precision natively, as megatron-core relies on; the upcast
    would double the bytes sent.
 3. Gathers, scatters and all-to-all move values without arithmetic and never upcast.
+
+Disagreeing ranks (megatron_core.consistency): each collective below first calls
+``consistency.check_collective`` (a no-op outside check mode), the uneven paths and all-to-all
+always agree on their split sizes (``consistency.agreed_splits``), and a failure inside torch
+(timeout, dead peer) leaves as a CollectiveError naming the collective and the group.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_core import parallel_state
+from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.utils import split_tensor_along_last_dim
 
@@ -66,12 +71,15 @@ def _sum_dtype(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.dtype:
 class Pending:
     """An asynchronous collective: ``wait()`` blocks until it is done and returns its result."""
 
-    def __init__(self, work: dist.Work | None, finish: Callable[[], torch.Tensor]):
-        self._work, self._finish = work, finish
+    def __init__(
+        self, work: dist.Work | None, finish: Callable[[], torch.Tensor], op="", group=None
+    ):
+        self._work, self._finish, self._op, self._group = work, finish, op, group
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._work.wait()
+            with consistency.named_failures(self._op, self._group):
+                self._work.wait()
         return self._finish()
 
 
@@ -112,10 +120,11 @@ def first_dim_split(input_: torch.Tensor, world_size: int, sizes, what: str) -> 
 
 def all_reduce_async(input_: torch.Tensor, group: dist.ProcessGroup) -> Pending:
     """Start the sum of ``input_`` over ``group`` into a fresh buffer; ``wait()`` returns it."""
+    consistency.check_collective("all_reduce", group, input_)
     dtype = _sum_dtype(input_, group)
     buffer = input_.to(dtype, memory_format=torch.contiguous_format, copy=True)
     work = dist.all_reduce(buffer, group=group, async_op=True)
-    return Pending(work, lambda: buffer.to(input_.dtype))
+    return Pending(work, lambda: buffer.to(input_.dtype), "all_reduce", group)
 
 
 def all_reduce(input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -126,33 +135,42 @@ def all_reduce(input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def reduce_scatter_first_dim_async(input_: torch.Tensor, group: dist.ProcessGroup) -> Pending:
     """Start the equal reduce-scatter along dim 0: rank r gets rows [r n/p, (r+1) n/p) of the
     sum; ``wait()`` returns them."""
+    consistency.check_collective("reduce_scatter", group, input_)
     world_size, _ = size_rank(group)
     first_dim_split(input_, world_size, None, "reduce-scatter along the first dimension")
     dtype = _sum_dtype(input_, group)
     source = input_.to(dtype, memory_format=torch.contiguous_format)
     output = source.new_empty((source.size(0) // world_size, *source.shape[1:]))
     work = _reduce_scatter_single(output, source, group=group, async_op=True)
-    return Pending(work, lambda: output.to(input_.dtype))
+    return Pending(work, lambda: output.to(input_.dtype), "reduce_scatter", group)
 
 
 def reduce_scatter_first_dim(input_, group, input_split_sizes=None) -> torch.Tensor:
     """Sum over ``group``, keeping this rank's rows: an equal split, or ``input_split_sizes``."""
-    world_size, rank = size_rank(group)
-    what = "reduce-scatter along the first dimension"
-    sizes = first_dim_split(input_, world_size, input_split_sizes, what)
     if input_split_sizes is None:
         return reduce_scatter_first_dim_async(input_, group).wait()
+    what = "reduce-scatter along the first dimension"
+    consistency.check_collective(what, group, input_, input_split_sizes=list(input_split_sizes))
+    world_size, rank = size_rank(group)
+
+    def splits():
+        sizes = first_dim_split(input_, world_size, input_split_sizes, what)
+        return sizes, [sizes[rank]] * world_size
+
+    sizes, _ = consistency.agreed_splits(what, group, splits)
     # Uneven: receive every rank's copy of this rank's rows, then sum them here.
     input_ = input_.contiguous()
     rest = tuple(input_.shape[1:])
     received = input_.new_empty((world_size * sizes[rank], *rest))
-    dist.all_to_all_single(received, input_, [sizes[rank]] * world_size, sizes, group=group)
+    with consistency.named_failures(what, group):
+        dist.all_to_all_single(received, input_, [sizes[rank]] * world_size, sizes, group=group)
     stacked = received.view(world_size, sizes[rank], *rest)
     return stacked.sum(dim=0, dtype=_sum_dtype(input_, group)).to(input_.dtype)
 
 
 def reduce_scatter_last_dim(input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum over ``group``, keeping this rank's slice of the last dimension."""
+    consistency.check_collective("reduce-scatter along the last dimension", group, input_)
     world_size, _ = size_rank(group)
     # Rank r's slice of the last dimension becomes rank r's slice of the first dimension.
     stacked = torch.cat(split_tensor_along_last_dim(input_, world_size), dim=0)
@@ -177,12 +195,13 @@ def split_first_dim(input_, group, split_sizes=None) -> torch.Tensor:
 
 def all_gather_first_dim_async(input_: torch.Tensor, group: dist.ProcessGroup) -> Pending:
     """Start the all-gather along dim 0 (rank order); ``wait()`` returns [p n, ...]."""
+    consistency.check_collective("all_gather", group, input_)
     world_size, _ = size_rank(group)
     _check_dims(input_, "gather along the first dimension")
     input_ = input_.contiguous()
     output = input_.new_empty((world_size * input_.size(0), *input_.shape[1:]))
     work = _all_gather_single(output, input_, group=group, async_op=True)
-    return Pending(work, lambda: output)
+    return Pending(work, lambda: output, "all_gather", group)
 
 
 def all_gather_first_dim(input_, group, output_split_sizes=None) -> torch.Tensor:
@@ -193,23 +212,34 @@ def all_gather_first_dim(input_, group, output_split_sizes=None) -> torch.Tensor
     """
     if output_split_sizes is None:
         return all_gather_first_dim_async(input_, group).wait()
+    what = "gather along the first dimension"
+    consistency.check_collective(
+        what, group, shape=input_.shape[1:], dtype=input_.dtype, sizes=list(output_split_sizes)
+    )
     world_size, rank = size_rank(group)
-    _check_dims(input_, "gather along the first dimension")
-    sizes = check_split_sizes(output_split_sizes, world_size, "output_split_sizes")
-    if sizes[rank] != input_.size(0):
-        raise MegatronCoreError(
-            f"output_split_sizes[{rank}] ({sizes[rank]}) must equal this rank's first "
-            f"dimension ({input_.size(0)})"
-        )
+
+    def splits():
+        _check_dims(input_, what)
+        sizes = check_split_sizes(output_split_sizes, world_size, "output_split_sizes")
+        if sizes[rank] != input_.size(0):
+            raise MegatronCoreError(
+                f"output_split_sizes[{rank}] ({sizes[rank]}) must equal this rank's first "
+                f"dimension ({input_.size(0)})"
+            )
+        return [input_.size(0)] * world_size, sizes
+
+    _, sizes = consistency.agreed_splits(what, group, splits)
     input_ = input_.contiguous()
     output = input_.new_empty((sum(sizes), *input_.shape[1:]))
     send = torch.cat([input_] * world_size, dim=0)
-    dist.all_to_all_single(output, send, sizes, [input_.size(0)] * world_size, group=group)
+    with consistency.named_failures(what, group):
+        dist.all_to_all_single(output, send, sizes, [input_.size(0)] * world_size, group=group)
     return output
 
 
 def all_gather_last_dim(input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenation along the last dimension of every rank's ``input_``, in rank order."""
+    consistency.check_collective("gather along the last dimension", group, input_)
     world_size, _ = size_rank(group)
     _check_dims(input_, "gather along the last dimension")
     gathered = all_gather_first_dim(input_, group)
@@ -219,16 +249,22 @@ def all_gather_last_dim(input_: torch.Tensor, group: dist.ProcessGroup) -> torch
 def all_to_all_first_dim(input_, group, output_split_sizes=None, input_split_sizes=None):
     """Rank r sends its i-th block of rows to rank i and receives rank i's r-th block.
 
-    Split sizes of None mean equal blocks (the output then has as many rows as the input).
+    Split sizes of None mean equal blocks (the output then has as many rows as the input). The
+    ranks always agree on the split sizes first (one small exchange, ``consistency.agreed_splits``).
     """
+    consistency.check_collective("all_to_all", group, shape=input_.shape[1:], dtype=input_.dtype)
     world_size, _ = size_rank(group)
-    in_sizes = first_dim_split(input_, world_size, input_split_sizes, "all_to_all")
-    if output_split_sizes is None:
-        out_sizes = first_dim_split(input_, world_size, None, "all_to_all")
-    else:
+
+    def splits():
+        in_sizes = first_dim_split(input_, world_size, input_split_sizes, "all_to_all")
+        if output_split_sizes is None:
+            return in_sizes, first_dim_split(input_, world_size, None, "all_to_all")
         what = "all_to_all: output_split_sizes"
-        out_sizes = check_split_sizes(output_split_sizes, world_size, what)
+        return in_sizes, check_split_sizes(output_split_sizes, world_size, what)
+
+    in_sizes, out_sizes = consistency.agreed_splits("all_to_all", group, splits)
     input_ = input_.contiguous()
     output = input_.new_empty((sum(out_sizes), *input_.shape[1:]))
-    dist.all_to_all_single(output, input_, out_sizes, in_sizes, group=group)
+    with consistency.named_failures("all_to_all", group):
+        dist.all_to_all_single(output, input_, out_sizes, in_sizes, group=group)
     return output

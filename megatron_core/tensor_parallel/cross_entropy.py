@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_core import parallel_state
+from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.utils import VocabUtility
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["vocab_parallel_cross_entropy", "VocabParallelCrossEntropy"]
 
 
 def _check(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> None:
@@ -54,6 +54,84 @@ def _check(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float) -
         )
 
 
+class VocabParallelCrossEntropy:
+    """megatron-core's building blocks of vocab-parallel cross entropy (its fused and unfused
+    implementations call them in this order); local tensor math, no communication.
+
+    The caller all-reduces (MAX) ``logits_max`` after :meth:`calculate_logits_max` and (SUM)
+    ``predicted_logits`` and ``sum_exp_logits`` after :meth:`calculate_predicted_logits`. These
+    follow megatron-core exactly, including updating the fp32 logits in place;
+    :func:`vocab_parallel_cross_entropy` is this package's own implementation (torch's label
+    smoothing and ``ignore_index``, see the module doc).
+    """
+
+    @staticmethod
+    def calculate_logits_max(
+        vocab_parallel_logits: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the logits as fp32 [..., V/tp], their max over this rank's vocabulary [...])."""
+        logits = vocab_parallel_logits.float()
+        return logits, logits.max(dim=-1)[0]
+
+    @staticmethod
+    def calculate_predicted_logits(
+        vocab_parallel_logits: torch.Tensor,
+        target: torch.Tensor,
+        logits_max: torch.Tensor,
+        vocab_start_index: int,
+        vocab_end_index: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shift by the global max and exponentiate, in place in ``vocab_parallel_logits``.
+
+        Returns:
+            (target_mask [...]: True where the target is outside this rank's range,
+            masked_target_1d [N]: the local target index (0 where masked),
+            predicted_logits [...]: the target's shifted logit (0 where masked),
+            sum_exp_logits [...]: this rank's sum of exp, exp_logits: the updated logits).
+        """
+        vocab_parallel_logits.sub_(logits_max.unsqueeze(-1))
+        target_mask = (target < vocab_start_index) | (target >= vocab_end_index)
+        masked_target = (target - vocab_start_index).masked_fill(target_mask, 0)
+        logits_2d = vocab_parallel_logits.view(-1, vocab_parallel_logits.size(-1))
+        masked_target_1d = masked_target.reshape(-1)
+        rows = torch.arange(logits_2d.size(0), device=logits_2d.device)
+        predicted_logits = logits_2d[rows, masked_target_1d].view_as(target).clone()
+        predicted_logits.masked_fill_(target_mask, 0.0)
+        exp_logits = vocab_parallel_logits.exp_()
+        return target_mask, masked_target_1d, predicted_logits, exp_logits.sum(dim=-1), exp_logits
+
+    @staticmethod
+    def calculate_cross_entropy_loss(
+        exp_logits: torch.Tensor, predicted_logits: torch.Tensor, sum_exp_logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(softmax, normalized in place in ``exp_logits``; loss = log(sum exp) - predicted)."""
+        loss = torch.log(sum_exp_logits) - predicted_logits
+        return exp_logits.div_(sum_exp_logits.unsqueeze(-1)), loss
+
+    @staticmethod
+    def prepare_gradient_calculation_operands(
+        softmax: torch.Tensor, target_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(grad_2d: ``softmax`` viewed [N, V/tp], arange over N, 1 - target_mask as fp32 [N],
+        grad_input: ``softmax`` itself, which the gradient overwrites)."""
+        grad_2d = softmax.view(-1, softmax.size(-1))
+        rows = torch.arange(grad_2d.size(0), device=grad_2d.device)
+        return grad_2d, rows, 1.0 - target_mask.reshape(-1).float(), softmax
+
+    @staticmethod
+    def calculate_gradients(
+        grad_2d: torch.Tensor,
+        arange_1d: torch.Tensor,
+        masked_target_1d: torch.Tensor,
+        softmax_update: torch.Tensor,
+        grad_input: torch.Tensor,
+        grad_output: torch.Tensor,
+    ) -> torch.Tensor:
+        """softmax - onehot(target) (this rank's part), times ``grad_output``; in place."""
+        grad_2d[arange_1d, masked_target_1d] -= softmax_update
+        return grad_input.mul_(grad_output.unsqueeze(-1))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy. Forward: a max all-reduce, then one sum all-reduce of per-token
     partial results (module doc). Backward: local, this rank's softmax minus the target terms."""
@@ -67,14 +145,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             partition, rank, world_size
         )
         ignored = target == ignore_index
-        # Same targets on every rank of the group, so every rank raises alike (no collective yet).
-        if bool((((target < 0) | (target >= vocab_size)) & ~ignored).any()):
-            bad = target[((target < 0) | (target >= vocab_size)) & ~ignored]
-            raise MegatronCoreError(
-                f"vocab_parallel_cross_entropy: target values {bad.unique()[:8].tolist()} are "
-                f"outside [0, vocab size ({vocab_size})) and differ from ignore_index "
-                f"({ignore_index})"
-            )
+        # Targets may differ between ranks (a user error): a rank that finds a bad one shares
+        # it, so every rank raises and none waits in the all-reduce below (issue 15, point 2).
+        with consistency.agreed_errors("vocab_parallel_cross_entropy", group):
+            if bool((((target < 0) | (target >= vocab_size)) & ~ignored).any()):
+                bad = target[((target < 0) | (target >= vocab_size)) & ~ignored]
+                raise MegatronCoreError(
+                    f"vocab_parallel_cross_entropy: target values {bad.unique()[:8].tolist()} "
+                    f"are outside [0, vocab size ({vocab_size})) and differ from ignore_index "
+                    f"({ignore_index})"
+                )
 
         logits = vocab_parallel_logits.float()
         logits_max = logits.max(dim=-1)[0]
@@ -124,8 +204,8 @@ def vocab_parallel_cross_entropy(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,
     label_smoothing: float = 0.0,
-    ignore_index: int = -100,
     *,
+    ignore_index: int = -100,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Per-token cross entropy of vocab-parallel logits, as torch computes it on the full logits.
@@ -150,6 +230,11 @@ def vocab_parallel_cross_entropy(
             vocabulary, or label_smoothing outside [0, 1].
     """
     group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+    consistency.check_collective(
+        "vocab_parallel_cross_entropy", group, vocab_parallel_logits, content=target,
+        target_shape=tuple(target.shape), label_smoothing=label_smoothing,
+        ignore_index=ignore_index,
+    )  # fmt: skip
     _check(vocab_parallel_logits, target, label_smoothing)
     return _VocabParallelCrossEntropy.apply(
         vocab_parallel_logits, target, float(label_smoothing), int(ignore_index), group

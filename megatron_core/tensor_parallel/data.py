@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_core import device, parallel_state
+from megatron_core import consistency, device, parallel_state
 from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.utils import pick_group
 
 __all__ = ["broadcast_data"]
 
@@ -79,6 +80,7 @@ def broadcast_data(
     keys: Sequence[str],
     data: Mapping[str, torch.Tensor] | None,
     datatype: torch.dtype,
+    tp_group: dist.ProcessGroup | None = None,
     *,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -92,8 +94,9 @@ def broadcast_data(
         data: dict of tensors on the source rank (tensor-parallel rank 0); ignored (may be None)
             on the other ranks.
         datatype: the dtype of every ``data[key]``.
-        group: the group to broadcast over, from its rank 0; default the tensor-model-parallel
-            group.
+        tp_group: the group to broadcast over, from its rank 0; default the
+            tensor-model-parallel group.
+        group: the same as tp_group (this package's older keyword).
 
     Returns:
         ``{key: tensor}`` on every rank, each tensor with the source's shape (views of one buffer).
@@ -108,7 +111,9 @@ def broadcast_data(
         raise MegatronCoreError("broadcast_data: keys must not be empty")
     if not isinstance(datatype, torch.dtype):
         raise MegatronCoreError(f"broadcast_data: datatype ({datatype!r}) must be a torch.dtype")
+    group = pick_group("broadcast_data", tp_group, group)
     group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+    consistency.check_collective("broadcast_data", group, keys=keys, datatype=datatype)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     src = dist.get_global_rank(group, 0)
     target = device.current_device()
@@ -119,7 +124,8 @@ def broadcast_data(
         header = torch.zeros(3 + len(keys) * (1 + _MAX_DATA_DIM), dtype=torch.int64)
     if world_size > 1:
         header = header.to(target)
-        dist.broadcast(header, src, group=group)
+        with consistency.named_failures("broadcast_data (header)", group):
+            dist.broadcast(header, src, group=group)
         header = header.cpu()
     status, key_index, detail = header[:3].tolist()
     if status != _OK:
@@ -137,7 +143,8 @@ def broadcast_data(
     else:
         flat = torch.empty(total, dtype=datatype, device=target)
     if world_size > 1:
-        dist.broadcast(flat, src, group=group)
+        with consistency.named_failures("broadcast_data", group):
+            dist.broadcast(flat, src, group=group)
 
     output, offset = {}, 0
     for key, shape in zip(keys, shapes):

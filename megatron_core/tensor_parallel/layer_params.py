@@ -22,6 +22,7 @@ from torch.nn.parameter import Parameter
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.model_parallel_config import ModelParallelConfig
+from megatron_core.tensor_parallel import _collectives
 from megatron_core.tensor_parallel.random import (
     get_cuda_rng_tracker,
     get_expert_parallel_rng_tracker_name,
@@ -43,10 +44,20 @@ _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
 }
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
-    """True if ``param`` is a TP shard, or a replicated parameter on TP rank 0 (count it once)."""
+def param_is_not_tensor_parallel_duplicate(
+    param: torch.Tensor, tp_group: dist.ProcessGroup | None = None
+) -> bool:
+    """True if ``param`` is a TP shard, or a replicated parameter on TP rank 0 (count it once).
+
+    Args:
+        param: the parameter.
+        tp_group: the tensor-parallel group whose rank 0 counts replicated parameters; default
+            parallel_state's.
+    """
     if getattr(param, "tensor_model_parallel", False):
         return True
+    if tp_group is not None:
+        return dist.get_rank(tp_group) == 0
     return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
@@ -186,17 +197,24 @@ def _init_shard(
     return None
 
 
-def _resolve_tp_group(layer: str, config: ModelParallelConfig, tp_group):
-    """(group, rank in it, its size); parallel_state's group must match the config's TP size."""
+def _resolve_tp_group(layer: str, tp_group, is_expert: bool = False):
+    """(group, this rank in it, its size): the layer's size comes from its group, as in
+    megatron-core; ``config.tensor_model_parallel_size`` is never read.
+
+    Without ``tp_group`` a layer uses parallel_state's tensor-parallel group, or, for an expert
+    layer, the expert-tensor-parallel group.
+    """
     if tp_group is None:
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        size = dist.get_world_size(tp_group)
-        if config.tensor_model_parallel_size != size:
-            raise MegatronCoreError(
-                f"{layer}: config.tensor_model_parallel_size ({config.tensor_model_parallel_size})"
-                f" does not match the tensor-parallel group size ({size}) of parallel_state"
-            )
-    return tp_group, dist.get_rank(tp_group), dist.get_world_size(tp_group)
+        getter = parallel_state.get_tensor_model_parallel_group
+        if is_expert:
+            getter = getattr(parallel_state, "get_expert_tensor_parallel_group", getter)
+        tp_group = getter()
+    rank = dist.get_rank(tp_group)
+    if rank < 0:
+        raise MegatronCoreError(
+            f"{layer}: global rank {dist.get_rank()} is not a member of tp_group {tp_group}"
+        )
+    return tp_group, rank, dist.get_world_size(tp_group)
 
 
 def _check_divisible(layer: str, name: str, value: int, by_name: str, by: int) -> None:
@@ -267,8 +285,7 @@ def allreduce_sequence_parallel_grads(
     for grad in grads:
         by_dtype.setdefault(grad.dtype, []).append(grad)
     for same_dtype in by_dtype.values():
-        flat = torch.cat([grad.reshape(-1) for grad in same_dtype])
-        dist.all_reduce(flat, group=group)
+        flat = _collectives.all_reduce(torch.cat([g.reshape(-1) for g in same_dtype]), group)
         offset = 0
         for grad in same_dtype:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))

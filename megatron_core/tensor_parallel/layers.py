@@ -24,11 +24,13 @@ gradients are partial per rank (RowParallelLinear's bias, LayerNorm weights) car
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_core import consistency
 from megatron_core.errors import MegatronCoreError
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.tensor_parallel.layer_params import (  # noqa: F401  (re-exports)
@@ -46,6 +48,10 @@ from megatron_core.tensor_parallel.layer_params import (  # noqa: F401  (re-expo
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
+)
+from megatron_core.tensor_parallel.linear_frozen import (
+    LinearWithFrozenWeight,
+    linear_with_frozen_weight,
 )
 from megatron_core.tensor_parallel.linear_impl import (
     LinearWithGradAccumulationAndAsyncCommunication,
@@ -66,12 +72,20 @@ __all__ = [
     "VocabParallelEmbedding",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "linear_with_grad_accumulation_and_async_allreduce",
+    "LinearWithFrozenWeight",
+    "linear_with_frozen_weight",
     "set_tensor_model_parallel_attributes",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "copy_tensor_model_parallel_attributes",
     "param_is_not_tensor_parallel_duplicate",
     "allreduce_sequence_parallel_grads",
 ]
+
+
+def _default_extra_state(state_dict, prefix, *args) -> None:
+    """Load-state-dict pre-hook: a state dict without ``_extra_state`` (saved before it
+    existed, or by plain torch code) still loads with ``strict=True``, as in megatron-core."""
+    state_dict.setdefault(f"{prefix}_extra_state")
 
 
 class _ParallelLinearBase(torch.nn.Module):
@@ -81,7 +95,7 @@ class _ParallelLinearBase(torch.nn.Module):
         self.config = config
         self.is_expert = is_expert
         self.expert_parallel = config.expert_model_parallel_size > 1
-        self.tp_group, self.tp_rank, self.tp_size = _resolve_tp_group(layer, config, tp_group)
+        self.tp_group, self.tp_rank, self.tp_size = _resolve_tp_group(layer, tp_group, is_expert)
         # Expert layers leave their communication to the MoE token dispatcher (megatron-core).
         self.explicit_expert_comm = is_expert and (self.tp_size > 1 or self.expert_parallel)
         self.sequence_parallel = _sequence_parallel(layer, config, self.tp_size)
@@ -108,6 +122,22 @@ class _ParallelLinearBase(torch.nn.Module):
             self.is_expert,
         )
 
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        """The linear function: the frozen-weight one when ``weight`` needs no gradient."""
+        if not weight.requires_grad:
+            kwargs["grad_output_buffer"] = None
+            kwargs["wgrad_deferral_limit"] = None
+            return linear_with_frozen_weight(input, weight, *args, **kwargs)
+        return linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Ignore ``state``: the ``_extra_state`` entry exists for megatron-core's (and
+        Transformer Engine's) state-dict layout only."""
+
+    def get_extra_state(self) -> None:
+        """None, stored as ``<prefix>_extra_state`` in the state dict, as megatron-core does."""
+        return None
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.input_size}, out_features={self.output_size}, "
@@ -122,7 +152,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
     Rank r holds the [output_size / p, input_size] shard A_r (stored transposed, as
     torch.nn.functional.linear expects) and computes Y_r = X A_r (+ b_r). The input enters the
     tensor-parallel region through f (identity forward, all-reduce of the gradient backward),
-    fused into the linear's backward when async_tensor_model_parallel_allreduce is set; under
+    fused into the linear's backward (as megatron-core does whenever TP > 1); under
     sequence parallelism the input is this rank's [s/p, b, h] shard, all-gathered along dim 0
     and its gradient reduce-scattered (see NOTE [ Overlapped linear backward ]).
 
@@ -137,12 +167,25 @@ class ColumnParallelLinear(_ParallelLinearBase):
         keep_master_weight_for_test: keep the full CPU master weight in ``self.master_weight``.
         skip_bias_add: do not add the bias; return it as the second output instead.
         skip_weight_param_allocation: create no weight; forward then takes ``weight=``.
-        is_expert: an MoE expert layer: communication is left to the token dispatcher.
-        tp_group: tensor-parallel group; default parallel_state's.
+        embedding_activation_buffer: with ``config.defer_embedding_wgrad_compute``, forward
+            appends its input here (up to ``config.wgrad_deferral_limit``; 0 is no limit) so
+            that the caller can compute the output layer's weight gradient later.
+        grad_output_buffer: with ``config.defer_embedding_wgrad_compute``, backward appends
+            the output gradient here instead of computing the weight gradient.
+        is_expert: an MoE expert layer: communication is left to the token dispatcher; the
+            default group is the expert-tensor-parallel group.
+        tp_comm_buffer_name: Transformer Engine's communication-buffer name; unused.
+        disable_grad_reduce: do not all-reduce the input gradient over the group (the caller
+            reduces it later, e.g. fused with other gradients, as NeMo's LoRA adapters do).
+        tp_group: tensor-parallel group; default parallel_state's. The layer's TP size is this
+            group's size (``config.tensor_model_parallel_size`` is not read).
+
+    A frozen weight (``requires_grad=False``) runs through :func:`linear_with_frozen_weight`.
+    The state dict holds ``_extra_state`` (None), as megatron-core's does.
 
     Raises:
         MegatronCoreError: output_size not divisible by the TP size, a bad stride, or
-            config.tensor_model_parallel_size differing from the group size.
+            defer_embedding_wgrad_compute without both buffers.
     """
 
     def __init__(
@@ -158,11 +201,19 @@ class ColumnParallelLinear(_ParallelLinearBase):
         keep_master_weight_for_test: bool = False,
         skip_bias_add: bool = False,
         skip_weight_param_allocation: bool = False,
+        embedding_activation_buffer: list[torch.Tensor] | None = None,
+        grad_output_buffer: list[torch.Tensor] | None = None,
         is_expert: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        disable_grad_reduce: bool = False,
         tp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         layer = "ColumnParallelLinear"
+        del tp_comm_buffer_name  # Transformer Engine's userbuffers name: unused (megatron-core)
+        self.embedding_activation_buffer = embedding_activation_buffer
+        self.grad_output_buffer = grad_output_buffer
+        self.disable_grad_reduce = disable_grad_reduce
         self._setup(layer, config, tp_group, is_expert, stride)
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
@@ -182,11 +233,20 @@ class ColumnParallelLinear(_ParallelLinearBase):
             self.bias.allreduce = not (is_expert and self.expert_parallel)
         else:
             self.register_parameter("bias", None)
+        # megatron-core folds the f operator's all-reduce into the linear function's backward
+        # whenever TP > 1 without sequence parallelism (NOTE [ Overlapped linear backward ],
+        # rule 3); config.async_tensor_model_parallel_allreduce is not read (nor is it there).
         self.allreduce_dgrad = (
-            self.tp_size > 1
-            and config.async_tensor_model_parallel_allreduce
-            and not self.sequence_parallel
+            self.tp_size > 1 and not self.sequence_parallel and not disable_grad_reduce
         )
+        if config.defer_embedding_wgrad_compute and (
+            embedding_activation_buffer is None or grad_output_buffer is None
+        ):
+            raise MegatronCoreError(
+                f"{layer}: config.defer_embedding_wgrad_compute (True) needs "
+                "embedding_activation_buffer and grad_output_buffer lists"
+            )
+        self._register_load_state_dict_pre_hook(_default_extra_state)
 
     def forward(
         self,
@@ -219,17 +279,28 @@ class ColumnParallelLinear(_ParallelLinearBase):
             )
         _check_last_dim(layer, input_, self.input_size)
         expert_comm = self.explicit_expert_comm
-        if self.allreduce_dgrad or self.sequence_parallel or expert_comm:
-            input_parallel = input_  # the linear function communicates (or the dispatcher does)
+        if (
+            self.allreduce_dgrad
+            or self.sequence_parallel
+            or expert_comm
+            or self.disable_grad_reduce
+        ):
+            input_parallel = input_  # the linear function communicates (or nothing does)
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+        defer = self.config.defer_embedding_wgrad_compute
+        limit = self.config.wgrad_deferral_limit
+        if defer and (limit == 0 or len(self.embedding_activation_buffer) < limit):
+            self.embedding_activation_buffer.append(input_parallel)
+        output_parallel = self._forward_impl(
             input_parallel,
             weight,
             None if self.skip_bias_add else self.bias,
             self.gradient_accumulation_fusion,
             allreduce_dgrad=self.allreduce_dgrad and not expert_comm,
             sequence_parallel=self.sequence_parallel and not expert_comm,
+            grad_output_buffer=self.grad_output_buffer if defer else None,
+            wgrad_deferral_limit=limit if defer else 0,
             tp_group=self.tp_group,
         )
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -238,6 +309,10 @@ class ColumnParallelLinear(_ParallelLinearBase):
         else:
             output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
+
+    def backward_dw(self) -> None:
+        """Delayed weight-gradient computation (``config.delay_wgrad_compute``): does nothing,
+        as in megatron-core's non-Transformer-Engine layer (wgrad is computed in backward)."""
 
 
 class RowParallelLinear(_ParallelLinearBase):
@@ -262,12 +337,17 @@ class RowParallelLinear(_ParallelLinearBase):
         stride: interleave the weight shards (see _initialize_affine_weight_cpu).
         keep_master_weight_for_test: keep the full CPU master weight in ``self.master_weight``.
         is_expert: an MoE expert layer: the output is not reduced (the token dispatcher does it),
-            which requires skip_bias_add.
-        tp_group: tensor-parallel group; default parallel_state's.
+            which requires skip_bias_add; the default group is the expert-tensor-parallel group.
+        tp_comm_buffer_name: Transformer Engine's communication-buffer name; unused.
+        tp_group: tensor-parallel group; default parallel_state's. The layer's TP size is this
+            group's size (``config.tensor_model_parallel_size`` is not read).
+
+    A frozen weight runs through :func:`linear_with_frozen_weight`; the state dict holds
+    ``_extra_state`` (None), as megatron-core's does.
 
     Raises:
         MegatronCoreError: input_size not divisible by the TP size, sequence parallelism without
-            input_is_parallel, an expert layer without skip_bias_add, or a config/group mismatch.
+            input_is_parallel, or an expert layer without skip_bias_add.
     """
 
     def __init__(
@@ -283,10 +363,12 @@ class RowParallelLinear(_ParallelLinearBase):
         stride: int = 1,
         keep_master_weight_for_test: bool = False,
         is_expert: bool = False,
+        tp_comm_buffer_name: str | None = None,
         tp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         layer = "RowParallelLinear"
+        del tp_comm_buffer_name  # Transformer Engine's userbuffers name: unused (megatron-core)
         self._setup(layer, config, tp_group, is_expert, stride)
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
@@ -314,6 +396,7 @@ class RowParallelLinear(_ParallelLinearBase):
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
+        self._register_load_state_dict_pre_hook(_default_extra_state)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Multiply this rank's input columns by its weight rows and reduce over the group.
@@ -332,7 +415,7 @@ class RowParallelLinear(_ParallelLinearBase):
         else:
             _check_last_dim(layer, input_, self.input_size)
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+        output_parallel = self._forward_impl(
             input_parallel,
             self.weight,
             None,
@@ -368,13 +451,13 @@ class VocabParallelEmbedding(torch.nn.Module):
         num_embeddings: vocabulary size; a multiple of the TP size.
         embedding_dim: hidden size.
         init_method: fills a weight tensor in place.
-        config: the ModelParallelConfig to read options from.
         reduce_scatter_embeddings: reduce-scatter to [s/tp, b, h] instead of all-reducing.
-        tp_group: tensor-parallel group; default parallel_state's.
+        config: the ModelParallelConfig to read options from.
+        tp_group: tensor-parallel group; default parallel_state's. The layer's TP size is this
+            group's size.
 
     Raises:
-        MegatronCoreError: num_embeddings not divisible by the TP size, or a config/group
-            mismatch.
+        MegatronCoreError: num_embeddings not divisible by the TP size.
     """
 
     def __init__(
@@ -383,8 +466,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         embedding_dim: int,
         *,
         init_method: Callable,
-        config: ModelParallelConfig,
         reduce_scatter_embeddings: bool = False,
+        config: ModelParallelConfig,
         tp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
@@ -392,7 +475,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.deterministic_mode = config.deterministic_mode
-        self.tp_group, self.tp_rank, self.tp_size = _resolve_tp_group(layer, config, tp_group)
+        self.tp_group, self.tp_rank, self.tp_size = _resolve_tp_group(layer, tp_group)
         _check_divisible(
             layer, "num_embeddings", num_embeddings, "tensor-parallel size", self.tp_size
         )
@@ -408,7 +491,13 @@ class VocabParallelEmbedding(torch.nn.Module):
         _init_shard(self.weight, config, init_method, full_shape, 0, 1, self.tp_rank, self.tp_size)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        """Embed the ids ``input_`` [b, s]: [b, s, h], or [s/tp, b, h] when reduce-scattering."""
+        """Embed the ids ``input_`` [b, s]: [b, s, h], or [s/tp, b, h] when reduce-scattering.
+
+        In check mode (megatron_core.consistency) ids outside [0, num_embeddings), or ids that
+        differ between the ranks of the group, raise on every rank; otherwise an id outside
+        every rank's range embeds to zeros (megatron-core's behaviour).
+        """
+        consistency.check_ids("VocabParallelEmbedding", self.tp_group, input_, self.num_embeddings)
         if self.tp_size > 1:
             outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
             local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)

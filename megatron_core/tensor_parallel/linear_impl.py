@@ -180,10 +180,10 @@ def linear_with_grad_accumulation_and_async_allreduce(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     gradient_accumulation_fusion: bool,
-    allreduce_dgrad: bool | None = None,
-    sequence_parallel: bool = False,
+    allreduce_dgrad: bool | None,
+    sequence_parallel: bool,
     grad_output_buffer: list[torch.Tensor] | None = None,
-    wgrad_deferral_limit: int | None = None,
+    wgrad_deferral_limit: int = 0,
     async_grad_allreduce: bool | None = None,
     tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
@@ -198,7 +198,8 @@ def linear_with_grad_accumulation_and_async_allreduce(
         gradient_accumulation_fusion: add the weight gradient into ``weight.main_grad`` (which
             must exist) instead of returning it; uses apex's fused kernel when available.
         allreduce_dgrad: all-reduce the input gradient over ``tp_group``, overlapped with the
-            weight-gradient matmul. Must be False under sequence parallelism.
+            weight-gradient matmul. Must be False under sequence parallelism. None takes the
+            value of ``async_grad_allreduce`` (False when that is None too).
         sequence_parallel: all-gather the input along dim 0 in forward and reduce-scatter the
             input gradient along dim 0 in backward.
         grad_output_buffer: megatron-core's embedding-wgrad deferral: when given, output

@@ -12,7 +12,7 @@ current GPU on cuda, the CPU generator on cpu. Audit and save/load live in ``rng
      default generator     = seed   (outside any fork; also the CPU generator, see rule 6)
      "data-parallel-rng"   = seed
      "model-parallel-rng"  = seed + 2718 + tp_rank
-     "expert-parallel-rng" = seed + 1024 + 100 * ep_rank + etp_rank   (etp_rank = tp_rank here)
+     "expert-parallel-rng" = seed + 1024 + 100 * ep_rank + etp_rank   (etp: expert tensor parallel)
    These are megatron-core's names and values, so a ported model draws the same numbers.
 2. Where each is used. Dropout on activations that are *replicated* across a TP group (outside
    tensor-parallel regions) draws from the default stream. Dropout on *split* activations (inside a
@@ -58,6 +58,10 @@ import torch
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.rng_graphs import (  # megatron-core's import path
+    convert_cuda_rng_state,
+    is_graph_safe_cuda_rng_tracker,
+)
 
 __all__ = [
     "CudaRNGStatesTracker",
@@ -72,6 +76,8 @@ __all__ = [
     "RNGSnapshot",
     "get_rng_snapshot",
     "set_rng_snapshot",
+    "convert_cuda_rng_state",
+    "is_graph_safe_cuda_rng_tracker",
 ]
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
@@ -350,7 +356,7 @@ def _resolve_ranks(tp_rank, ep_rank, etp_rank) -> tuple[int, int, int]:
     if ep_rank is None:
         ep_rank = parallel_state.get_expert_model_parallel_rank() if ready else 0
     if etp_rank is None:
-        etp_rank = tp_rank  # no separate expert-tensor group: experts are split like TP
+        etp_rank = parallel_state.get_expert_tensor_parallel_rank() if ready else 0
     return tp_rank, ep_rank, etp_rank
 
 
@@ -378,8 +384,8 @@ def model_parallel_cuda_manual_seed(
         use_cudagraphable_rng: graph-safe streams (accelerator only).
         tp_rank: tensor-parallel rank; default parallel_state's, or 0 before it is initialized.
         ep_rank: expert-parallel rank; default parallel_state's, or 0 before it is initialized.
-        etp_rank: expert-tensor-parallel rank; default ``tp_rank`` (this package has no separate
-            expert-tensor group).
+        etp_rank: expert-tensor-parallel rank; default parallel_state's, or 0 before it is
+            initialized.
         force_reset_rng: rebuild the tracker (e.g. to switch between training and inference).
     """
     tp_rank, ep_rank, etp_rank = _resolve_ranks(tp_rank, ep_rank, etp_rank)

@@ -119,7 +119,7 @@ class VocabUtility:
 # --- section: 1-D chunks (owner: checkpoint) ---
 # Used by checkpoint(distribute_saved_activations=True); see NOTE [ Checkpoint rules ], rule 3, in
 # tensor_parallel/checkpointing.py.
-from megatron_core import parallel_state  # noqa: E402
+from megatron_core import consistency, parallel_state  # noqa: E402
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 _all_gather_1d = (
@@ -142,6 +142,13 @@ def _default_group(group):
     return parallel_state.get_tensor_model_parallel_group() if group is None else group
 
 
+def pick_group(what: str, tp_group, group):
+    """``tp_group`` (megatron-core's name) or the older keyword ``group=``; not both."""
+    if tp_group is not None and group is not None and tp_group is not group:
+        raise MegatronCoreError(f"{what}: pass tp_group or group, not two different groups")
+    return tp_group if tp_group is not None else group
+
+
 def chunk_numel_1d(numel: int, world_size: int) -> int:
     """Length of each rank's 1-D chunk: ``ceil(numel / world_size)`` (0 for an empty tensor)."""
     if not isinstance(world_size, int) or world_size < 1:
@@ -150,7 +157,7 @@ def chunk_numel_1d(numel: int, world_size: int) -> int:
 
 
 def split_tensor_into_1d_equal_chunks(
-    tensor: torch.Tensor, new_buffer: bool = False, *, group=None
+    tensor: torch.Tensor, new_buffer: bool = False, tp_group=None, *, group=None
 ) -> torch.Tensor:
     """This rank's contiguous 1/tp slice of ``tensor`` flattened.
 
@@ -164,14 +171,16 @@ def split_tensor_into_1d_equal_chunks(
         tensor: any shape (flattened in row-major order; a non-contiguous tensor is copied).
         new_buffer: return a fresh tensor that shares no storage with ``tensor``. Without it the
             result is a view of ``tensor`` where one is possible (a padded chunk is always new).
-        group: the process group to split over; default the tensor-parallel group.
+        tp_group: the process group to split over; default the tensor-parallel group.
+        group: the same as tp_group (this package's older keyword).
 
     Returns:
         A 1-D tensor of ``ceil(numel / tp)`` elements on ``tensor``'s device, never requiring grad.
 
     Raises:
-        MegatronCoreError: group is None and parallel_state is not initialized.
+        MegatronCoreError: no group is given and parallel_state is not initialized.
     """
+    group = pick_group("split_tensor_into_1d_equal_chunks", tp_group, group)
     world_size, rank = _group_size_rank(group)
     size = chunk_numel_1d(tensor.numel(), world_size)
     flat = tensor.detach().reshape(-1)
@@ -186,7 +195,7 @@ def split_tensor_into_1d_equal_chunks(
 
 
 def gather_split_1d_tensor(
-    tensor: torch.Tensor, *, numel: int | None = None, group=None
+    tensor: torch.Tensor, tp_group=None, *, numel: int | None = None, group=None
 ) -> torch.Tensor:
     """All-gather every rank's 1-D chunk into one flat tensor (inverse of the split above).
 
@@ -194,7 +203,8 @@ def gather_split_1d_tensor(
         tensor: this rank's chunk, 1-D with the same number of elements on every rank.
         numel: the number of elements before splitting; the padding after it is dropped. Default
             keeps all ``tp * tensor.numel()`` elements (megatron-core's behaviour).
-        group: the process group to gather over; default the tensor-parallel group.
+        tp_group: the process group to gather over; default the tensor-parallel group.
+        group: the same as tp_group (this package's older keyword).
 
     Returns:
         A new 1-D tensor of ``numel`` (default ``tp * tensor.numel()``) elements, ready for
@@ -202,9 +212,13 @@ def gather_split_1d_tensor(
 
     Raises:
         MegatronCoreError: ``ceil(numel / tp)`` is not this chunk's size (``numel`` cannot have
-            produced it), or group is None and parallel_state is not initialized.
+            produced it), or no group is given and parallel_state is not initialized.
     """
+    group = pick_group("gather_split_1d_tensor", tp_group, group)
     world_size, _ = _group_size_rank(group)
+    consistency.check_collective(
+        "gather_split_1d_tensor", _default_group(group), tensor, numel=numel
+    )
     chunk = tensor.numel()
     total = world_size * chunk
     if numel is not None and chunk_numel_1d(numel, world_size) != chunk:
@@ -215,7 +229,10 @@ def gather_split_1d_tensor(
     gathered = torch.empty(total, dtype=tensor.dtype, device=tensor.device)
     if total == 0:  # every rank holds an empty chunk: nothing to exchange
         return gathered
-    _all_gather_1d(gathered, tensor.detach().reshape(-1).contiguous(), group=_default_group(group))
+    with consistency.named_failures("gather_split_1d_tensor", _default_group(group)):
+        _all_gather_1d(
+            gathered, tensor.detach().reshape(-1).contiguous(), group=_default_group(group)
+        )
     return gathered if numel is None else gathered[:numel]
 
 

@@ -12,6 +12,7 @@ import os
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.training.data import DEFAULT_CORPUS_DESCRIPTION
+from megatron_core.training.pipeline_step import check_pipeline_args, check_pipeline_microbatches
 
 __all__ = ["build_parser", "parse_args", "validate_args", "data_parallel_size"]
 
@@ -62,7 +63,15 @@ _ARGUMENTS = [
                 "--pipeline-model-parallel-size",
                 1,
                 _POS,
-                "pipeline stages; must be 1 (the groups exist, pipeline schedules do not)",
+                "pipeline stages (1F1B schedule; layers split evenly, embedding on the first, "
+                "loss on the last)",
+            ),
+            (
+                "--num-layers-per-virtual-pipeline-stage",
+                None,
+                _POS,
+                "layers per model chunk: vp = num layers / (pp * this) chunks per stage, run by "
+                "the interleaved 1F1B schedule (None: no interleaving)",
             ),
             (
                 "--sequence-parallel",
@@ -193,11 +202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         MegatronCoreError: a value or combination that no world size makes valid.
     """
     args = build_parser().parse_args(argv)
-    if args.pipeline_model_parallel_size != 1:
-        raise MegatronCoreError(
-            f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size}) must be 1: "
-            "megatron_core builds pipeline groups but has no pipeline schedules to train with"
-        )
+    check_pipeline_args(args)
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
             raise MegatronCoreError(
@@ -286,3 +291,4 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
             f"--micro-batch-size ({args.micro_batch_size}) * data-parallel size ({dp})"
         )
+    check_pipeline_microbatches(args, args.global_batch_size // step)

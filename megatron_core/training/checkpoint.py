@@ -10,8 +10,8 @@ Layout of ``--save DIR`` (megatron's names for the iteration directories and the
 What is saved, under which names and cut how: NOTE [ Checkpoint keys ] in checkpoint_state.py.
 
 # NOTE [ Checkpoint safety ]
-1. Never visible half-written. A save writes into the hidden ``DIR/.iter_<N>.partial`` (a stale
-   one from a killed save is removed first); DCP fsyncs every file; then rank 0 writes
+1. Never visible half-written. A save writes into the hidden ``DIR/.iter_<N>.partial`` (stale
+   ones from killed saves are removed first); DCP fsyncs every file; then rank 0 writes
    manifest.json with every file's size and SHA-256, fsyncs, renames the directory to
    ``iter_<N>`` (an older ``iter_<N>``, of any layout, is swapped out whole, never mixed with),
    fsyncs DIR, and only then replaces the tracker file (write, fsync, rename). A save killed at
@@ -129,7 +129,7 @@ def _guard(step: Callable[[], Any], what: str) -> Any:
     result, error = None, None
     try:
         result = step()
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         error = _error_text(exc)
     agree(error, what)
     return result
@@ -141,8 +141,11 @@ def _guard(step: Callable[[], Any], what: str) -> Any:
 def _prepare_directory(partial: Path) -> None:
     if dist.get_rank() == 0:
         partial.parent.mkdir(parents=True, exist_ok=True)
-        if partial.exists():
-            shutil.rmtree(partial)  # a killed save's leftovers
+        for stale in (
+            *partial.parent.glob(".iter_*.partial"),
+            *partial.parent.glob(".iter_*.replaced"),
+        ):
+            shutil.rmtree(stale)  # a killed save's leftovers (one job per directory)
         partial.mkdir()
 
 

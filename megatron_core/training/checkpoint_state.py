@@ -101,21 +101,27 @@ def cut(like: torch.Tensor, tensor: torch.Tensor) -> Shard:
     return Shard(tensor, tuple(shape), tuple(offsets))
 
 
+def _chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A model, or the chunks of an interleaved pipeline stage (a ModuleList)."""
+    return list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+
+
 def _model_tensors(model: torch.nn.Module):
-    for name, value in model.state_dict(keep_vars=True).items():
-        if not (name.endswith("_extra_state") and value is None):
-            yield name, value
+    """(global name, tensor) of every chunk; NOTE rule 1."""
+    for chunk in _chunks(model):
+        offset = getattr(chunk, "layer_offset", 0)
+        for name, value in chunk.state_dict(keep_vars=True).items():
+            if not (name.endswith("_extra_state") and value is None):
+                yield _global_name(name, offset), value
 
 
 def model_names(model: torch.nn.Module) -> set[str]:
     """Every ``model.<global name>`` of ``model``, held by this rank or not (padding)."""
-    offset = getattr(model, "layer_offset", 0)
-    return {f"model.{_global_name(name, offset)}" for name, _ in _model_tensors(model)}
+    return {f"model.{name}" for name, _ in _model_tensors(model)}
 
 
 def model_entries(model: torch.nn.Module) -> dict[str, tuple[Shard, torch.Tensor]]:
     """``model.<global name>`` -> (Shard of the live tensor, the live tensor); NOTE rules 1-3."""
-    offset = getattr(model, "layer_offset", 0)
     entries = {}
     for name, value in _model_tensors(model):
         if name.endswith("_extra_state") and not torch.is_tensor(value):
@@ -125,7 +131,7 @@ def model_entries(model: torch.nn.Module) -> dict[str, tuple[Shard, torch.Tensor
             )
         shard = cut(value, value.detach())
         if not shard.empty:
-            entries[f"model.{_global_name(name, offset)}"] = (shard, value)
+            entries[f"model.{name}"] = (shard, value)
     return entries
 
 
@@ -134,8 +140,10 @@ def optimizer_pairs(
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(global parameter name, model parameter, the tensor the optimizer updates) per parameter
     the optimizer steps; NOTE rule 4."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    offset = getattr(model, "layer_offset", 0)
+    names = {}
+    for chunk in _chunks(model):
+        offset = getattr(chunk, "layer_offset", 0)
+        names.update({id(p): _global_name(n, offset) for n, p in chunk.named_parameters()})
     hook = getattr(optimizer, "checkpoint_param_pairs", None)
     if hook is not None:
         pairs = list(hook())
@@ -148,7 +156,7 @@ def optimizer_pairs(
                 f"checkpoint: the optimizer steps a {list(model_param.shape)} tensor that is not a "
                 "parameter of the model"
             )
-        result.append((_global_name(names[id(model_param)], offset), model_param, optimizer_param))
+        result.append((names[id(model_param)], model_param, optimizer_param))
     return result
 
 

@@ -21,17 +21,22 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import device, parallel_state
+from megatron_core.distributed import finalize_model_grads
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.layers import (
-    allreduce_sequence_parallel_grads,
-    param_is_not_tensor_parallel_duplicate,
-)
+from megatron_core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_core.tensor_parallel.memory import count_saved_activations
 from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_core.training.arguments import validate_args
 from megatron_core.training.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from megatron_core.training.data import VOCAB_SIZE, ByteCorpus, get_batch
 from megatron_core.training.launcher import RENDEZVOUS_ENV
+from megatron_core.training.pipeline_step import (
+    build_pipeline_model,
+    model_chunks,
+    pipeline_forward_backward,
+    reseed_stage,
+    virtual_pipeline_size,
+)
 from megatron_core.training.progress import Progress
 from megatron_core.transformer import GPTModel, TransformerConfig
 
@@ -130,6 +135,8 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
     return TransformerConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
+        pipeline_dtype=torch.float32 if args.pipeline_model_parallel_size > 1 else None,
         sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=True,
         num_layers=args.num_layers,
@@ -149,14 +156,18 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
 def build_model_and_optimizer(args: argparse.Namespace, config: TransformerConfig):
     """The GPTModel on the current device and an AdamW over its local parameters.
 
-    Biases and LayerNorm parameters (1-D) get no weight decay. Needs parallel_state initialized
-    and the RNG seeded.
+    Under pipeline parallelism the model is this stage's chunk, or a ModuleList of its chunks
+    when interleaved (``pipeline_step.build_pipeline_model``). Biases and LayerNorm parameters
+    (1-D) get no weight decay. Needs parallel_state initialized and the RNG seeded.
     """
     vocab = padded_vocab_size(
         VOCAB_SIZE, args.make_vocab_size_divisible_by, config.tensor_model_parallel_size
     )
-    model = GPTModel(config, vocab, args.seq_length, true_vocab_size=VOCAB_SIZE)
-    model = model.to(device.current_device())
+    if config.pipeline_model_parallel_size > 1:
+        model = build_pipeline_model(config, vocab, args.seq_length, true_vocab_size=VOCAB_SIZE)
+    else:
+        model = GPTModel(config, vocab, args.seq_length, true_vocab_size=VOCAB_SIZE)
+        model = model.to(device.current_device())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -180,25 +191,16 @@ def learning_rate(args: argparse.Namespace, step: int) -> float:
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float) -> None:
-    if not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    flat.mul_(scale)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
 def _finalize_grads(model: torch.nn.Module) -> None:
-    """SP-marked grads summed over TP, then every grad averaged over the data-parallel group."""
-    allreduce_sequence_parallel_grads(model)
-    dp_size = parallel_state.get_data_parallel_world_size()
-    if dp_size > 1:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        _flat_all_reduce(grads, parallel_state.get_data_parallel_group(), 1.0 / dp_size)
+    """SP-marked grads summed over TP, every grad averaged over the data-parallel group, tied
+    embedding grads summed between the first and last pipeline stage (``finalize_model_grads``,
+    NOTE [ Gradient finalization ])."""
+    finalize_model_grads(model_chunks(model))
+
+
+def _counted_once(p: torch.Tensor) -> bool:
+    """Replicated params on TP rank 0 only; the last stage's tied-embedding copy not at all."""
+    return param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False)
 
 
 def _clip_grads(model: torch.nn.Module, max_norm: float) -> float:
@@ -206,7 +208,7 @@ def _clip_grads(model: torch.nn.Module, max_norm: float) -> float:
     params = [p for p in model.parameters() if p.grad is not None]
     squares = torch.zeros((), dtype=torch.float32, device=device.current_device())
     for p in params:
-        if param_is_not_tensor_parallel_duplicate(p):  # replicated params count once
+        if _counted_once(p):  # replicated and tied params count once
             squares += p.grad.float().pow(2).sum()
     dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
     norm = squares.sqrt().item()
@@ -223,6 +225,11 @@ def train_step(model, optimizer, corpus: ByteCorpus, args: argparse.Namespace, s
     num_microbatches = args.global_batch_size // (args.micro_batch_size * dp_size)
     total = torch.zeros((), dtype=torch.float32, device=device.current_device())
     activation_bytes = 0
+    if args.pipeline_model_parallel_size > 1:
+        total, activation_bytes = pipeline_forward_backward(
+            model, corpus, args, step, num_microbatches
+        )
+        num_microbatches = 0  # the schedule ran them
     for microbatch in range(num_microbatches):
         tokens, labels = get_batch(corpus, args, step, microbatch)
         with count_saved_activations(ignore=model.parameters()) as report:
@@ -241,7 +248,7 @@ def train_step(model, optimizer, corpus: ByteCorpus, args: argparse.Namespace, s
 
 
 def _count_parameters(model: torch.nn.Module) -> int:
-    local = sum(p.numel() for p in model.parameters() if param_is_not_tensor_parallel_duplicate(p))
+    local = sum(p.numel() for p in model.parameters() if _counted_once(p))
     count = torch.tensor([local], dtype=torch.int64, device=device.current_device())
     dist.all_reduce(count, group=parallel_state.get_model_parallel_group())
     return int(count.item())
@@ -329,6 +336,8 @@ def _resume(args, model, optimizer) -> tuple[int, list[str]]:
         seed = args.seed + start
         random.seed(seed)
         model_parallel_cuda_manual_seed(seed)
+        if args.pipeline_model_parallel_size > 1:
+            reseed_stage(seed)
         lines[0] += (
             f" (saved at tp={saved['tp_size']} pp={saved['pp_size']} dp={saved['dp_size']} on "
             f"{saved['device_type']}, resharded; RNG streams re-derived from --seed + {start})"
@@ -343,6 +352,8 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
     random.seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     model, optimizer = build_model_and_optimizer(args, config)
+    if args.pipeline_model_parallel_size > 1:
+        reseed_stage(args.seed)
     num_parameters = _count_parameters(model)
     start, resume_lines = 0, []
     if args.load:
@@ -403,6 +414,7 @@ def train(args: argparse.Namespace) -> TrainingResult:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
     )
     try:
         return _run(args, config, corpus)

@@ -79,12 +79,13 @@ class TransformerConfig(ModelParallelConfig):
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
-    distribute_saved_activations: bool | None = None
+    distribute_saved_activations: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_shapes()
         self._check_recompute()
+        self._check_pipeline()
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
@@ -118,6 +119,17 @@ class TransformerConfig(ModelParallelConfig):
                 raise MegatronCoreError(
                     f"TransformerConfig: {name} ({getattr(self, name)!r}) must be in [0, 1)"
                 )
+
+    def _check_pipeline(self) -> None:
+        pp, vp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        chunks = pp * (vp or 1)
+        if self.num_layers % chunks:
+            what = f"pipeline_model_parallel_size ({pp})"
+            if vp is not None:
+                what += f" * virtual_pipeline_model_parallel_size ({vp})"
+            raise MegatronCoreError(
+                f"TransformerConfig: num_layers ({self.num_layers}) must be divisible by {what}"
+            )
 
     def _check_recompute(self) -> None:
         granularity, method, n = (

@@ -22,14 +22,22 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from megatron_core import device
+from megatron_core import device, parallel_state
+from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.checkpointing import checkpoint_layer_stack
 from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron_core.transformer.attention import ParallelAttention
 from megatron_core.transformer.config import TransformerConfig
 from megatron_core.transformer.mlp import ParallelMLP
 
-__all__ = ["TransformerLayer", "TransformerBlock", "make_layer_norm", "dropout_rng_context"]
+__all__ = [
+    "TransformerLayer",
+    "TransformerBlock",
+    "make_layer_norm",
+    "dropout_rng_context",
+    "get_num_layers_to_build",
+    "get_transformer_layer_offset",
+]
 
 
 def make_layer_norm(config: TransformerConfig) -> torch.nn.LayerNorm:
@@ -84,8 +92,45 @@ class TransformerLayer(torch.nn.Module):
         return self._bias_dropout_add(mlp, bias, hidden_states)
 
 
+def get_num_layers_to_build(config: TransformerConfig, vp_stage: int | None = None) -> int:
+    """Layers of one model chunk: num_layers / (pp * vp) (megatron-core's name).
+
+    ``config.num_layers`` is the whole model's; the config's validation guarantees divisibility.
+    """
+    vp = config.virtual_pipeline_model_parallel_size or 1
+    return config.num_layers // (config.pipeline_model_parallel_size * vp)
+
+
+def get_transformer_layer_offset(config: TransformerConfig, vp_stage: int | None = None) -> int:
+    """Global index of the chunk's first layer: virtual stage ``vp_stage * pp + pp_rank`` times
+    the layers per chunk (NOTE [ Interleaved 1F1B ] in pipeline_parallel/interleaved.py)."""
+    pp = config.pipeline_model_parallel_size
+    if pp == 1:
+        return 0
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    state_pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if state_pp != pp:
+        raise MegatronCoreError(
+            f"TransformerBlock: config.pipeline_model_parallel_size ({pp}) differs from "
+            f"parallel_state's pipeline size ({state_pp})"
+        )
+    vp = config.virtual_pipeline_model_parallel_size
+    if vp is not None and (vp_stage is None or not 0 <= vp_stage < vp):
+        raise MegatronCoreError(
+            f"TransformerBlock: vp_stage ({vp_stage!r}) must be in [0, "
+            f"virtual_pipeline_model_parallel_size ({vp})) under interleaving"
+        )
+    return ((vp_stage or 0) * pp + pp_rank) * get_num_layers_to_build(config, vp_stage)
+
+
 class TransformerBlock(torch.nn.Module):
-    """``num_layers`` TransformerLayers and the final LayerNorm.
+    """This chunk's TransformerLayers and, on the last stage, the final LayerNorm.
+
+    Without pipelining the chunk is the whole model (``config.num_layers`` layers). Under
+    pipeline parallelism it holds ``num_layers / (pp * vp)`` layers starting at global layer
+    ``layer_offset``; a chunk that is not the model's first (``pre_process=False``) reads its
+    input from :meth:`set_input_tensor` (the activation received from the previous stage), and
+    only the model's last chunk (``post_process=True``) applies the final LayerNorm.
 
     With ``recompute_granularity="full"`` the layers run through
     ``tensor_parallel.checkpoint_layer_stack`` with the config's recompute_method,
@@ -93,28 +138,50 @@ class TransformerBlock(torch.nn.Module):
 
     Args:
         config: the model's TransformerConfig.
+        pre_process: this chunk is the model's first (takes ``hidden_states`` from the caller).
+        post_process: this chunk is the model's last (applies the final LayerNorm).
+        vp_stage: the chunk's virtual stage under interleaving, else None.
     """
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: int | None = None,
+    ):
         super().__init__()
         self.config = config
+        self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
+        self.layer_offset = get_transformer_layer_offset(config, vp_stage)
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config) for _ in range(config.num_layers)
+            TransformerLayer(config) for _ in range(get_num_layers_to_build(config, vp_stage))
         )
-        self.final_layernorm = make_layer_norm(config)
+        self.final_layernorm = make_layer_norm(config) if post_process else None
+        self.input_tensor = None
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Run the stack on [s, b, h] ([s/tp, b, h] under SP); returns the normalized output."""
+    def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
+        """The activation [s, b, h] ([s/tp, b, h] under SP) received from the previous stage."""
+        self.input_tensor = input_tensor
+
+    def forward(self, hidden_states: torch.Tensor | None) -> torch.Tensor:
+        """Run the chunk on [s, b, h] ([s/tp, b, h] under SP); same shape out. A chunk with
+        ``pre_process=False`` ignores ``hidden_states`` and uses the tensor set by
+        :meth:`set_input_tensor`."""
         config = self.config
+        if not self.pre_process:
+            hidden_states = self.input_tensor
         if config.recompute_granularity == "full" and self.training:
             hidden_states = checkpoint_layer_stack(
                 self.layers,
                 hidden_states,
                 recompute_method=config.recompute_method,
-                recompute_num_layers=config.recompute_num_layers,
+                recompute_num_layers=min(config.recompute_num_layers, len(self.layers)),
                 distribute_saved_activations=bool(config.distribute_saved_activations),
             )
         else:
             for layer in self.layers:
                 hidden_states = layer(hidden_states)
+        if self.final_layernorm is None:
+            return hidden_states
         return self.final_layernorm(hidden_states)

@@ -1,0 +1,145 @@
+"""finalize_model_grads: the gradient reductions between the last backward and the optimizer step.
+
+# NOTE [ Gradient finalization ]
+After the schedule's last backward every rank holds the gradients of its own microbatches for its
+own parameters. Before the optimizer step:
+1. Sequence-parallel grads: a replicated parameter marked ``sequence_parallel`` (LayerNorm
+   weight/bias, position embeddings under SP) saw only this rank's part of the sequence; its
+   gradient is summed over the tensor-parallel group.
+2. Data-parallel grads: every gradient is averaged over the data-parallel group (summed instead
+   when ``num_tokens`` is given: rule 4 divides by the global token count). A chunk that has its
+   own ``finish_grad_sync()`` (a DDP wrapper) does this itself.
+3. Tied embeddings: with pp > 1 the word embedding lives on the first stage and its copy (the
+   output layer's weight) on the last; their gradients are summed over the embedding group so both
+   copies take the same step and stay equal. The copy is marked ``shared = True`` so that grad
+   norms and parameter counts see the tied weight once.
+4. ``num_tokens`` (per-token loss): the last stage's count is broadcast over the pipeline, summed
+   over data-parallel ranks, and every gradient is divided by it.
+The order (TP, DP, embeddings) is the one megatron_core's training loop used before pipelining,
+so pp = 1 runs reduce in the same order as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state
+from megatron_core.tensor_parallel.layer_params import allreduce_sequence_parallel_grads
+
+__all__ = ["finalize_model_grads"]
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor | None:
+    return param.main_grad if hasattr(param, "main_grad") else param.grad
+
+
+def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float | None) -> None:
+    """All-reduce (sum) ``tensors`` in place, one collective per dtype; then scale."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        if scale is not None:
+            flat.mul_(scale)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _group(pg_collection, name: str, getter):
+    group = getattr(pg_collection, name, None) if pg_collection is not None else None
+    return group if group is not None else getter()
+
+
+def _embedding_weight(chunk: torch.nn.Module) -> torch.Tensor | None:
+    inner = chunk
+    while inner is not None and not hasattr(inner, "shared_embedding_or_output_weight"):
+        inner = getattr(inner, "module", None)
+    return None if inner is None else inner.shared_embedding_or_output_weight()
+
+
+def _allreduce_embedding_grads(model: list[torch.nn.Module], pg_collection) -> None:
+    """NOTE [ Gradient finalization ], rule 3 (no-op unless pp > 1 and this rank holds a copy)."""
+    pp_group = _group(pg_collection, "pp", parallel_state.get_pipeline_model_parallel_group)
+    if dist.get_world_size(pp_group) == 1:
+        return
+    if pg_collection is not None and getattr(pg_collection, "embd", None) is not None:
+        group = pg_collection.embd
+    else:
+        if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+            return
+        group = parallel_state.get_embedding_group()
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    grads = []
+    for chunk in (model[0], model[-1]) if len(model) > 1 else (model[0],):
+        weight = _embedding_weight(chunk)
+        if weight is not None and _grad(weight) is not None:
+            grads.append(_grad(weight))
+    if len(grads) != 1:
+        # One copy per rank: the first stage's chunk 0 or the last stage's last chunk. A rank
+        # holding both (pp == 1) returned above.
+        raise RuntimeError(f"finalize_model_grads: expected one embedding copy, found {len(grads)}")
+    _flat_all_reduce(grads, group, None)
+
+
+def finalize_model_grads(
+    model: list[torch.nn.Module],
+    num_tokens: torch.Tensor | None = None,
+    pg_collection=None,
+    force_all_reduce: bool | None = False,
+) -> None:
+    """Reduce gradients across TP (SP params), DP and the embedding group, in place.
+
+    See NOTE [ Gradient finalization ]. Call on every rank after the schedule's last backward
+    (schedules call it through ``config.finalize_model_grads_func``).
+
+    Args:
+        model: this rank's model chunks (a list, as the schedules pass it).
+        num_tokens: tokens this step's loss was summed over (a 0-dim int tensor on the last
+            stage), or None for a loss already averaged per microbatch.
+        pg_collection: optional object with ``tp``, ``pp``, ``dp_cp`` and ``embd`` groups; absent
+            groups come from parallel_state.
+        force_all_reduce: accepted for megatron-core compatibility (always all-reduce here).
+    """
+    if isinstance(model, torch.nn.Module):
+        model = [model]
+    tp_group = _group(pg_collection, "tp", parallel_state.get_tensor_model_parallel_group)
+    dp_group = _group(
+        pg_collection,
+        "dp_cp",
+        lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
+    for chunk in model:  # rule 1
+        allreduce_sequence_parallel_grads(chunk, tp_group)
+    dp_size = dist.get_world_size(dp_group)
+    for chunk in model:  # rule 2
+        if hasattr(chunk, "finish_grad_sync"):
+            chunk.finish_grad_sync()
+        elif dp_size > 1:
+            grads = [_grad(p) for p in chunk.parameters() if _grad(p) is not None]
+            if grads:
+                _flat_all_reduce(grads, dp_group, None if num_tokens is not None else 1 / dp_size)
+    _allreduce_embedding_grads(model, pg_collection)  # rule 3
+    if num_tokens is not None:  # rule 4
+        pp_group = _group(pg_collection, "pp", parallel_state.get_pipeline_model_parallel_group)
+        ranks = dist.get_process_group_ranks(pp_group)
+        count = num_tokens.detach().to(dtype=torch.float32, device=_device_of(model)).reshape(())
+        dist.broadcast(count, src=ranks[-1], group=pp_group)
+        dist.all_reduce(count, group=dp_group)
+        scale = 1.0 / max(count.item(), 1.0)
+        for chunk in model:
+            for p in chunk.parameters():
+                if _grad(p) is not None:
+                    _grad(p).mul_(scale)
+
+
+def _device_of(model: list[torch.nn.Module]) -> torch.device:
+    for chunk in model:
+        for p in chunk.parameters():
+            return p.device
+    return torch.device("cpu")

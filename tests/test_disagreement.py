@@ -1,0 +1,337 @@
+"""Issue 15: ranks that disagree raise the same clear error on every rank, within seconds.
+
+Each case below is one way users make the ranks of a tensor-parallel group disagree (an
+off-by-one batch on one rank, a vocabulary split computed locally, ...). Before the consistency
+checks these hung, aborted the process inside gloo, or returned wrong numbers. Every case runs at
+TP = 2 and 4 (world size = TP) in check mode; the ALWAYS cases also without it. Passing means:
+every rank raised a MegatronCoreError, all with the same message, which names the op, the group
+and each rank's value, in under 10 s; no worker died (the harness would report it).
+
+The per-rank body catches what the case raises and returns it, so one warm worker pool serves
+every case. Groups get a short timeout (_GROUP_TIMEOUT_MIN): a case the checks missed would end
+in a CollectiveError after 6 s instead of hanging, and fail the assertions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_core import consistency, parallel_state
+from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel import (
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+from megatron_core.tensor_parallel.data import broadcast_data
+from megatron_core.tensor_parallel.mappings import all_to_all
+from megatron_core.tensor_parallel.utils import gather_split_1d_tensor
+from megatron_core.testing import run_distributed
+
+_GROUP_TIMEOUT_MIN = 0.1  # 6 s: a missed case times out (and fails) instead of hanging
+_LIMIT_S = 10.0
+
+
+def _init(tp: int, **kwargs) -> dist.ProcessGroup:
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, distributed_timeout_minutes=_GROUP_TIMEOUT_MIN, **kwargs
+    )
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _last() -> bool:
+    """True on the one rank that disagrees (the last)."""
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+# --- the cases (each runs on every rank; world size = tp) --------------------------------------
+
+
+def _reduce_4_vs_3(tp):
+    _init(tp)
+    return reduce_from_tensor_model_parallel_region(torch.ones(3 if _last() else 4))
+
+
+def _reduce_3_vs_4(tp):
+    _init(tp)
+    return reduce_from_tensor_model_parallel_region(torch.ones(4 if _last() else 3))
+
+
+def _reduce_f32_vs_f64(tp):
+    _init(tp)
+    return reduce_from_tensor_model_parallel_region(
+        torch.ones(3, dtype=torch.float64 if _last() else torch.float32)
+    )
+
+
+def _gather_last_dim_3_vs_5(tp):
+    _init(tp)
+    return gather_from_tensor_model_parallel_region(torch.ones(4, 5 if _last() else 3))
+
+
+def _gather_first_dim_4_vs_2(tp):
+    _init(tp)
+    return gather_from_tensor_model_parallel_region(torch.ones(2 if _last() else 4, 3))
+
+
+def _gather_4x3_vs_3x4(tp):
+    _init(tp)
+    return gather_from_tensor_model_parallel_region(torch.ones((3, 4) if _last() else (4, 3)))
+
+
+def _gather_f32_vs_f64(tp):
+    _init(tp)
+    x = torch.ones(4, 3, dtype=torch.float64 if _last() else torch.float32)
+    return gather_from_tensor_model_parallel_region(x)
+
+
+def _sequence_gather_4_vs_2(tp):
+    _init(tp)
+    return gather_from_sequence_parallel_region(torch.ones(2 if _last() else 4, 2))
+
+
+def _sequence_reduce_scatter_shape(tp):
+    _init(tp)
+    return reduce_scatter_to_sequence_parallel_region(torch.ones(4 * tp, 3 if _last() else 2))
+
+
+def _uneven_gather_split_sizes(tp):
+    _init(tp)  # the last rank holds one row more than output_split_sizes says
+    rows = [1] * tp
+    return gather_from_sequence_parallel_region(
+        torch.ones(2 if _last() else 1, 3), output_split_sizes=rows
+    )
+
+
+def _all_to_all_split_sizes(tp):
+    group = _init(tp)  # rank 0 sends 2 rows to the last rank, which expects 1
+    out_sizes = [1] * tp
+    in_sizes = [1] * tp
+    if dist.get_rank() == 0:
+        in_sizes = [0] * (tp - 1) + [2]
+    return all_to_all(group, torch.ones(sum(in_sizes), 2), out_sizes, in_sizes)
+
+
+def _split_1d_chunks_3_vs_5(tp):
+    group = _init(tp)
+    return gather_split_1d_tensor(torch.ones(5 if _last() else 3), group=group)
+
+
+def _logits(rows, partition):
+    return torch.randn(rows, partition, generator=torch.Generator().manual_seed(0))
+
+
+def _ce_target_out_of_range_one_rank(tp):
+    _init(tp)
+    target = torch.tensor([0, 1, 4 * tp + 3 if _last() else 2])
+    return vocab_parallel_cross_entropy(_logits(3, 4), target)
+
+
+def _ce_batch_3_vs_5(tp):
+    _init(tp)
+    rows = 5 if _last() else 3
+    return vocab_parallel_cross_entropy(_logits(rows, 4), torch.zeros(rows, dtype=torch.long))
+
+
+def _ce_vocab_4_vs_6(tp):
+    _init(tp)
+    return vocab_parallel_cross_entropy(_logits(3, 6 if _last() else 4), torch.tensor([0, 1, 2]))
+
+
+def _ce_targets_differ(tp):
+    _init(tp)
+    target = torch.tensor([0, 1, 3 if _last() else 2])
+    return vocab_parallel_cross_entropy(_logits(3, 4), target)
+
+
+def _broadcast_datatype(tp, source_dtype, other_dtype):
+    _init(tp)
+    data = {"a": torch.arange(3, dtype=source_dtype)} if dist.get_rank() == 0 else None
+    return broadcast_data(["a"], data, source_dtype if dist.get_rank() == 0 else other_dtype)
+
+
+def _broadcast_f32_vs_i64(tp):
+    return _broadcast_datatype(tp, torch.float32, torch.int64)
+
+
+def _broadcast_i64_vs_f64(tp):
+    return _broadcast_datatype(tp, torch.int64, torch.float64)
+
+
+def _broadcast_keys(tp):
+    _init(tp)
+    data = {"a": torch.ones(2), "b": torch.ones(3)} if dist.get_rank() == 0 else None
+    return broadcast_data(["a"] if _last() else ["a", "b"], data, torch.float32)
+
+
+def _embedding_out_of_range(tp):
+    from megatron_core.model_parallel_config import ModelParallelConfig
+    from megatron_core.tensor_parallel import (
+        VocabParallelEmbedding,
+        model_parallel_cuda_manual_seed,
+    )
+
+    _init(tp)
+    model_parallel_cuda_manual_seed(1)
+    config = ModelParallelConfig(tensor_model_parallel_size=tp)
+    layer = VocabParallelEmbedding(4 * tp, 3, init_method=torch.nn.init.normal_, config=config)
+    return layer(torch.tensor([[0, 4 * tp + 1, -1]]))
+
+
+def _checkpoint_backward_one_rank(tp):
+    from megatron_core.tensor_parallel import checkpoint
+
+    _init(tp)
+    linear = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4 * tp, requires_grad=True)
+    out = checkpoint(lambda t: linear(t.view(-1, 4)), True, x)
+    if dist.get_rank() == 0:
+        out.sum().backward()  # gathers the distributed input: a collective
+    else:  # the others skip backward and go on to the next step's first collective
+        reduce_from_tensor_model_parallel_region(torch.ones(2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    body: Callable[[int], object]
+    fragments: tuple[str, ...]  # the message names these (the op and the values)
+    always: bool = False  # also raises outside check mode (issue 15, point 2)
+    unchecked_fragments: tuple[str, ...] | None = None  # outside check mode, if they differ
+
+
+CASES = {
+    "reduce_4_vs_3": Case(_reduce_4_vs_3, ("all_reduce", "shape", "(4,)", "(3,)")),
+    "reduce_3_vs_4": Case(_reduce_3_vs_4, ("all_reduce", "shape", "(3,)", "(4,)")),
+    "reduce_f32_vs_f64": Case(_reduce_f32_vs_f64, ("all_reduce", "dtype", "torch.float64")),
+    "gather_last_dim_3_vs_5": Case(
+        _gather_last_dim_3_vs_5, ("gather along the last dimension", "(4, 3)", "(4, 5)")
+    ),
+    "gather_first_dim_4_vs_2": Case(
+        _gather_first_dim_4_vs_2, ("gather along the last dimension", "(4, 3)", "(2, 3)")
+    ),
+    "gather_4x3_vs_3x4": Case(_gather_4x3_vs_3x4, ("shape", "(4, 3)", "(3, 4)")),
+    "gather_f32_vs_f64": Case(_gather_f32_vs_f64, ("dtype", "torch.float32", "torch.float64")),
+    "sequence_gather_4_vs_2": Case(_sequence_gather_4_vs_2, ("all_gather", "(4, 2)", "(2, 2)")),
+    "sequence_reduce_scatter_shape": Case(
+        _sequence_reduce_scatter_shape, ("reduce_scatter", "shape", ", 2)", ", 3)")
+    ),
+    "uneven_gather_split_sizes": Case(
+        _uneven_gather_split_sizes,
+        ("gather along the first dimension", "must equal this rank's first dimension (2)"),
+        always=True,
+    ),
+    "all_to_all_split_sizes": Case(
+        _all_to_all_split_sizes,
+        ("all_to_all", "split sizes do not match", "sends 2 rows to rank", "which expects 1"),
+        always=True,
+    ),
+    "split_1d_chunks_3_vs_5": Case(
+        _split_1d_chunks_3_vs_5, ("gather_split_1d_tensor", "(3,)", "(5,)")
+    ),
+    "ce_target_out_of_range_one_rank": Case(
+        _ce_target_out_of_range_one_rank,
+        ("vocab_parallel_cross_entropy", "content checksum"),  # the targets differ: caught first
+        always=True,
+        unchecked_fragments=("vocab_parallel_cross_entropy", "failed on 1 of the", "outside [0"),
+    ),
+    "ce_batch_3_vs_5": Case(_ce_batch_3_vs_5, ("vocab_parallel_cross_entropy", "(3, 4)", "(5, 4)")),
+    "ce_vocab_4_vs_6": Case(_ce_vocab_4_vs_6, ("vocab_parallel_cross_entropy", "(3, 4)", "(3, 6)")),
+    "ce_targets_differ": Case(
+        _ce_targets_differ, ("vocab_parallel_cross_entropy", "content checksum")
+    ),
+    "broadcast_f32_vs_i64": Case(
+        _broadcast_f32_vs_i64, ("broadcast_data", "datatype", "torch.float32", "torch.int64")
+    ),
+    "broadcast_i64_vs_f64": Case(
+        _broadcast_i64_vs_f64, ("broadcast_data", "datatype", "torch.int64", "torch.float64")
+    ),
+    "broadcast_keys": Case(_broadcast_keys, ("broadcast_data", "keys", "['a', 'b']", "['a']")),
+    "embedding_out_of_range": Case(
+        _embedding_out_of_range, ("VocabParallelEmbedding", "ids [", "outside [0, vocabulary size")
+    ),
+    "checkpoint_backward_one_rank": Case(
+        _checkpoint_backward_one_rank, ("disagree on op", "gather_split_1d_tensor", "all_reduce")
+    ),
+}
+
+
+# --- the harness -------------------------------------------------------------------------------
+
+
+def _run_case(name: str, tp: int, check: bool):
+    with consistency.check_mode(check):
+        start = time.monotonic()
+        try:
+            value = CASES[name].body(tp)
+        except consistency.CollectiveError:
+            raise  # a timeout: the group is broken, so the harness must discard these workers
+        except Exception as exc:
+            return (
+                "error",
+                type(exc).__name__,
+                isinstance(exc, MegatronCoreError),
+                str(exc),
+                (time.monotonic() - start),
+            )
+        return "returned", type(value).__name__, False, repr(value), time.monotonic() - start
+
+
+def _assert_agreed_error(name: str, tp: int, check: bool) -> str:
+    results = run_distributed(_run_case, tp, name, tp, check, timeout=60)
+    for rank, (outcome, type_name, is_package_error, message, seconds) in enumerate(results):
+        assert outcome == "error", f"rank {rank} returned {type_name}: {message}"
+        assert is_package_error, (
+            f"rank {rank} raised {type_name}, not a MegatronCoreError: {message}"
+        )
+        assert seconds < _LIMIT_S, f"rank {rank} took {seconds:.1f} s"
+    messages = {message for *_, message, _ in results}
+    assert len(messages) == 1, f"the ranks raised different errors: {messages}"
+    message = messages.pop()
+    ranks = list(range(tp))
+    assert f"global ranks {ranks}" in message, message  # the group is named
+    case = CASES[name]
+    fragments = case.fragments if check else (case.unchecked_fragments or case.fragments)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in: {message}"
+    return message
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_case_in_check_mode(name, tp):
+    _assert_agreed_error(name, tp, check=True)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", sorted(n for n, case in CASES.items() if case.always))
+def test_always_on_case_without_check_mode(name, tp):
+    _assert_agreed_error(name, tp, check=False)
+
+
+def _good_inputs(tp: int, check: bool):
+    """The same calls with agreeing inputs: no error, in or out of check mode."""
+    with consistency.check_mode(check):
+        group = _init(tp)
+        out = [reduce_from_tensor_model_parallel_region(torch.ones(3))]
+        out.append(gather_from_tensor_model_parallel_region(torch.ones(2, 3)))
+        out.append(vocab_parallel_cross_entropy(_logits(3, 4), torch.tensor([0, 1, 4 * tp - 1])))
+        out.append(all_to_all(group, torch.ones(tp, 2), [1] * tp, [1] * tp))
+        out.append(gather_split_1d_tensor(torch.ones(3), group=group))
+        data = {"a": torch.arange(3)} if dist.get_rank() == 0 else None
+        out.append(broadcast_data(["a"], data, torch.int64)["a"])
+        return [tuple(t.shape) for t in out]
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_agreeing_ranks_pass(tp, check):
+    results = run_distributed(_good_inputs, tp, tp, check, timeout=60)
+    assert results == [[(3,), (2, 3 * tp), (3,), (tp, 2), (3 * tp,), (3,)]] * tp
