@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import pickle
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,21 @@ from megatron_core.training import (
     validate_args,
 )
 
+
+def _corpus_file() -> str:
+    """A fixed corpus: the default one is the package's own source, which changes while someone
+    edits it (then an uninterrupted run and a resumed run would see different batches)."""
+    path = Path(tempfile.gettempdir()) / "megatron_core_test_train_checkpoint_corpus_v1.txt"
+    if not path.exists():
+        text = " ".join(f"alpha{i % 97} beta{(i * 7919) % 389}." for i in range(20_000))
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)  # ranks may write it at once: same bytes, atomic
+    return str(path)
+
+
 TINY = {
+    "data": _corpus_file(),
     "num-layers": 2,
     "hidden-size": 32,
     "num-attention-heads": 4,
@@ -420,7 +435,7 @@ def _master_run(directory: str, tp: int, phase: str):
     args = parse_args(_argv(tensor_model_parallel_size=tp, train_iters=4, **NO_DROPOUT))
     model, _ = _fresh(tp, **NO_DROPOUT)
     optimizer = _MasterWeightOptimizer(model.parameters(), lr=1e-3)
-    corpus = ByteCorpus.load(None, args.seq_length)
+    corpus = ByteCorpus.load(args.data, args.seq_length)
     start = 0
     if phase == "load":
         start = load_checkpoint(directory, model, optimizer).iteration

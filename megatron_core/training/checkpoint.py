@@ -40,23 +40,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.rng_state import set_rng_state_dict
+from megatron_core.training import checkpoint_load as load
 from megatron_core.training import checkpoint_state as state
 from megatron_core.training.checkpoint_io import (
+    FORMAT,
+    MANIFEST_FILENAME,
+    TRACKER_FILENAME,
+    VERSION,
     SafeFileSystemReader,
     ShardLoadPlanner,
     ShardSavePlanner,
     agree,
     all_gather_text,
+    checkpoint_layout,
     fsync_path,
     read_metadata,
     sha256_of,
@@ -70,11 +72,6 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
 ]
-
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-MANIFEST_FILENAME = "manifest.json"
-_FORMAT = "megatron_core training checkpoint"
-_VERSION = 2
 
 
 @dataclass
@@ -92,19 +89,6 @@ class LoadedCheckpoint:
     args: dict[str, Any]
     layout: dict[str, Any]
     rng_restored: bool
-
-
-def checkpoint_layout() -> dict[str, Any]:
-    """This run's layout as a checkpoint records it: world size, tp/pp/dp sizes, device type."""
-    from megatron_core import device
-
-    return {
-        "world_size": dist.get_world_size(),
-        "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
-        "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
-        "dp_size": parallel_state.get_data_parallel_world_size(),
-        "device_type": device.device_type(),
-    }
 
 
 def _iteration_dir(root: Path, iteration: int) -> Path:
@@ -234,8 +218,8 @@ def save_checkpoint(root, iteration: int, model, optimizer, args: dict[str, Any]
                 files.update(part["files"])
                 rng[str(r)] = part["rng"]
             manifest = {
-                "format": _FORMAT,
-                "version": _VERSION,
+                "format": FORMAT,
+                "version": VERSION,
                 "iteration": iteration,
                 "layout": checkpoint_layout(),
                 "args": args,
@@ -270,180 +254,6 @@ def _own_files(partial: Path, rank: int) -> dict[str, Any]:
 # --- load ----------------------------------------------------------------------------------
 
 
-def _read_iteration(root: Path) -> int:
-    tracker = root / TRACKER_FILENAME
-    if not tracker.is_file():
-        raise MegatronCoreError(f"no checkpoint in {root}: {tracker} does not exist")
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise MegatronCoreError(f"{tracker} holds {text[:40]!r}, not an iteration number")
-    return int(text)
-
-
-def _read_manifest(directory: Path, iteration: int) -> dict[str, Any]:
-    path = directory / MANIFEST_FILENAME
-    if not directory.is_dir():
-        raise MegatronCoreError(
-            f"{directory} is missing (the tracker file names iteration {iteration})"
-        )
-    if not path.is_file():
-        raise MegatronCoreError(f"{path} is missing: not a complete megatron_core checkpoint")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise MegatronCoreError(f"{path} is unreadable ({type(exc).__name__}: {exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
-        raise MegatronCoreError(f"{path} is not a megatron_core checkpoint manifest")
-    if manifest.get("version") != _VERSION:
-        raise MegatronCoreError(
-            f"{path} is version {manifest.get('version')!r}; this megatron_core reads "
-            f"version {_VERSION}"
-        )
-    if manifest.get("iteration") != iteration:
-        raise MegatronCoreError(
-            f"{path} is of iteration {manifest.get('iteration')}, the tracker says {iteration}"
-        )
-    return manifest
-
-
-def _verify_files(directory: Path, manifest: dict[str, Any]) -> None:
-    """NOTE [ Checkpoint safety ], rule 2: sizes everywhere, checksums dealt round-robin."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for index, (name, expected) in enumerate(sorted(manifest["files"].items())):
-        path = directory / name
-        if not path.is_file():
-            raise MegatronCoreError(f"{path} is missing")
-        size = path.stat().st_size
-        if size != expected["bytes"]:
-            raise MegatronCoreError(
-                f"{path} is {size} bytes, the manifest says {expected['bytes']} (truncated or "
-                "overwritten)"
-            )
-        if index % world == rank and sha256_of(path) != expected["sha256"]:
-            raise MegatronCoreError(f"{path} is corrupt: its SHA-256 does not match the manifest")
-
-
-def _buffer_for(shard: state.Shard, target: torch.Tensor) -> state.Shard:
-    return state.Shard(
-        torch.zeros_like(shard.tensor), shard.global_shape, shard.offsets, target=target
-    )
-
-
-def _optimizer_targets(model, optimizer, metadata, plan: dict[str, state.Shard], later: list):
-    """Buffers for the optimizer's tensors; ``later`` gets (name, optimizer_param, key, full
-    tensor) to install once loaded."""
-    saved = metadata.state_dict_metadata
-    for name, model_param, optimizer_param in state.optimizer_pairs(model, optimizer):
-        if optimizer_param is not model_param:
-            master = f"optimizer.master.{name}"
-            shard = state.cut(model_param, optimizer_param.detach())
-            if master in saved and not shard.empty:
-                plan[master] = _buffer_for(shard, shard.tensor)
-            elif master not in saved:
-                later.append(("master-from-model", optimizer_param, model_param, None))
-        prefix = f"optimizer.{name}."
-        for key in sorted(k for k in saved if k.startswith(prefix)):
-            stored = saved[key]
-            if not isinstance(stored, TensorStorageMetadata):
-                raise MegatronCoreError(f"checkpoint entry {key!r} is not a tensor")
-            dtype = stored.properties.dtype
-            like = torch.zeros(model_param.shape, dtype=dtype, device=optimizer_param.device)
-            shard = state.cut(model_param, like)
-            if tuple(stored.size) != shard.global_shape:
-                like = torch.zeros(stored.size, dtype=dtype)  # replicated (a step count)
-                shard = state.Shard(like, tuple(stored.size), (0,) * len(stored.size))
-            if not shard.empty:  # else all padding: zeros
-                plan[key] = _buffer_for(shard, shard.tensor)
-            later.append(("state", optimizer_param, key[len(prefix) :], like))
-    extra = sorted(k for k in saved if k.startswith("optimizer.extra."))
-    for key in extra:
-        stored = saved[key]
-        like = torch.zeros(stored.size, dtype=stored.properties.dtype)
-        plan[key] = state.Shard(like, tuple(stored.size), (0,) * len(stored.size), target=like)
-    if extra and getattr(optimizer, "load_checkpoint_extra_state", None) is None:
-        raise MegatronCoreError(
-            f"the checkpoint holds optimizer state {extra} that this optimizer has no "
-            "load_checkpoint_extra_state() for"
-        )
-
-
-def _plan_load(model, optimizer, metadata, manifest: dict[str, Any]):
-    """Buffers for everything this rank loads, checked against the metadata (rule 2)."""
-    plan: dict[str, state.Shard] = {}
-    for name, (shard, _) in state.model_entries(model).items():
-        plan[name] = _buffer_for(shard, shard.tensor)
-    later: list = []
-    _optimizer_targets(model, optimizer, metadata, plan, later)
-    saved = metadata.state_dict_metadata
-    same_layout = manifest["layout"] == checkpoint_layout()
-    rng_keys = []
-    if same_layout:
-        prefix = f"rng.{dist.get_rank()}."
-        for key in sorted(k for k in saved if k.startswith(prefix)):
-            stored = saved[key]
-            like = torch.zeros(stored.size, dtype=stored.properties.dtype)
-            plan[key] = state.Shard(like, tuple(stored.size), (0,) * len(stored.size), target=like)
-            rng_keys.append(key)
-    for name, shard in plan.items():
-        stored = saved.get(name)
-        if stored is None:
-            raise MegatronCoreError(
-                f"the checkpoint has no {name!r} (saved by another model configuration?)"
-            )
-        if tuple(stored.size) != shard.global_shape:
-            raise MegatronCoreError(
-                f"{name} is {list(stored.size)} in the checkpoint, {list(shard.global_shape)} "
-                "in this model (another model configuration?)"
-            )
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        ours = state.model_names(model)
-        extra = sorted(k for k in saved if k.startswith("model.") and k not in ours)
-        if extra:
-            raise MegatronCoreError(
-                f"the checkpoint has model tensors this model lacks: {extra[:3]} (another model "
-                "configuration?)"
-            )
-    return plan, later, rng_keys
-
-
-def _apply(plan, later, rng_keys, optimizer, manifest) -> bool:
-    """Copy the loaded buffers into the live tensors; returns whether the RNGs were restored."""
-    with torch.no_grad():
-        for shard in plan.values():
-            if shard.target is not None and shard.target is not shard.tensor:
-                shard.target.copy_(shard.tensor)
-        inner_state = getattr(optimizer, "optimizer", optimizer).state
-        for kind, optimizer_param, key, value in later:
-            if kind == "master-from-model":
-                optimizer_param.copy_(key)
-            else:
-                inner_state.setdefault(optimizer_param, {})[key] = value
-    extra = {
-        key[len("optimizer.extra.") :]: shard.tensor
-        for key, shard in plan.items()
-        if key.startswith("optimizer.extra.")
-    }
-    if extra:
-        optimizer.load_checkpoint_extra_state(extra)
-    if not rng_keys:
-        return False
-    meta = manifest["rng"][str(dist.get_rank())]
-    prefix = f"rng.{dist.get_rank()}."
-    python = tuple(int(v) for v in plan[prefix + "python"].tensor.tolist())
-    set_rng_state_dict(
-        {
-            "version": meta["version"],
-            "layout": meta["layout"],
-            "device_type": meta["device_type"],
-            "python": (meta["python_version"], python, meta["python_gauss"]),
-            "cpu": plan[prefix + "cpu"].tensor,
-            "device": plan[prefix + "device"].tensor,
-            "tracker": {n: plan[f"{prefix}tracker.{n}"].tensor for n in meta["trackers"]},
-        }
-    )
-    return True
-
-
 def load_checkpoint(
     root, model, optimizer, check_args: Callable[[dict[str, Any]], None] | None = None
 ) -> LoadedCheckpoint:
@@ -471,19 +281,19 @@ def load_checkpoint(
     what = f"loading checkpoint from {root}"
 
     def find():
-        iteration = _read_iteration(root)
+        iteration = load.read_iteration(root)
         directory = _iteration_dir(root, iteration)
-        manifest = _read_manifest(directory, iteration)
+        manifest = load.read_manifest(directory, iteration)
         if check_args is not None:
             check_args(manifest.get("args", {}))
-        _verify_files(directory, manifest)
+        load.verify_files(directory, manifest)
         return directory, manifest
 
     directory, manifest = _guard(find, what)
 
     def plan_load():
         metadata = read_metadata(directory / ".metadata")
-        return _plan_load(model, optimizer, metadata, manifest)
+        return load.plan_load(model, optimizer, metadata, manifest)
 
     plan, later, rng_keys = _guard(plan_load, what)
 
@@ -494,7 +304,7 @@ def load_checkpoint(
         )
 
     _guard(read, what)
-    rng_restored = _apply(plan, later, rng_keys, optimizer, manifest)
+    rng_restored = load.apply_loaded(plan, later, rng_keys, optimizer, manifest)
     return LoadedCheckpoint(
         iteration=manifest["iteration"],
         args=manifest.get("args", {}),

@@ -15,6 +15,7 @@ import io
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,11 +36,16 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_core import device
+from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.training.checkpoint_state import Shard
 
 __all__ = [
+    "TRACKER_FILENAME",
+    "MANIFEST_FILENAME",
+    "FORMAT",
+    "VERSION",
+    "checkpoint_layout",
     "ShardSavePlanner",
     "ShardLoadPlanner",
     "SafeFileSystemReader",
@@ -51,6 +57,21 @@ __all__ = [
 ]
 
 _HASH_CHUNK = 1 << 22
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MANIFEST_FILENAME = "manifest.json"
+FORMAT = "megatron_core training checkpoint"
+VERSION = 2
+
+
+def checkpoint_layout() -> dict[str, Any]:
+    """This run's layout as a checkpoint records it: world size, tp/pp/dp sizes, device type."""
+    return {
+        "world_size": dist.get_world_size(),
+        "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "dp_size": parallel_state.get_data_parallel_world_size(),
+        "device_type": device.device_type(),
+    }
 
 
 class ShardSavePlanner(DefaultSavePlanner):
