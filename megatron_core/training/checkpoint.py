@@ -304,7 +304,10 @@ def load_checkpoint(
         )
 
     _guard(read, what)
-    rng_restored = load.apply_loaded(plan, later, rng_keys, optimizer, manifest)
+    try:  # no collective from here on: an error is the same on every rank
+        rng_restored = load.apply_loaded(plan, later, rng_keys, optimizer, manifest)
+    except MegatronCoreError as exc:
+        raise MegatronCoreError(f"{what} failed: {exc}") from None
     return LoadedCheckpoint(
         iteration=manifest["iteration"],
         args=manifest.get("args", {}),

@@ -166,7 +166,20 @@ def plan_load(model, optimizer, metadata, manifest: dict[str, Any]):
 
 
 def apply_loaded(plan, later, rng_keys, optimizer, manifest) -> bool:
-    """Copy the loaded buffers into the live tensors; returns whether the RNGs were restored."""
+    """Copy the loaded buffers into the live tensors; returns whether the RNGs were restored.
+
+    The optimizer's ``load_checkpoint_extra_state`` runs first (with {} when the checkpoint has
+    no extra state), so that an optimizer refusing the checkpoint (a loss scaler saved, none
+    now) raises before anything else is modified; it is the same on every rank.
+    """
+    extra = {
+        key[len("optimizer.extra.") :]: shard.tensor
+        for key, shard in plan.items()
+        if key.startswith("optimizer.extra.")
+    }
+    hook = getattr(optimizer, "load_checkpoint_extra_state", None)
+    if hook is not None:
+        hook(extra)
     with torch.no_grad():
         for shard in plan.values():
             if shard.target is not None and shard.target is not shard.tensor:
@@ -177,13 +190,6 @@ def apply_loaded(plan, later, rng_keys, optimizer, manifest) -> bool:
                 optimizer_param.copy_(key)
             else:
                 inner_state.setdefault(optimizer_param, {})[key] = value
-    extra = {
-        key[len("optimizer.extra.") :]: shard.tensor
-        for key, shard in plan.items()
-        if key.startswith("optimizer.extra.")
-    }
-    if extra:
-        optimizer.load_checkpoint_extra_state(extra)
     if not rng_keys:
         return False
     meta = manifest["rng"][str(dist.get_rank())]

@@ -22,7 +22,8 @@ read any other cut of them back (resharding). See NOTE [ Checkpoint keys ].
    ``checkpoint_param_pairs() -> [(model_param, optimizer_param), ...]``; the copies are saved
    as ``optimizer.master.<name>``, cut like the parameter. Other optimizer state (a loss scaler)
    comes from ``checkpoint_extra_state() -> {key: tensor}`` as ``optimizer.extra.<key>`` and
-   goes back through ``load_checkpoint_extra_state({key: tensor})``.
+   goes back through ``load_checkpoint_extra_state({key: tensor})``, called on load before
+   anything is modified (with {} when the checkpoint has none), so it may refuse by raising.
 5. RNG: ``rng.<global rank>.<stream>``, one set per rank, restored only at the same layout.
 """
 
