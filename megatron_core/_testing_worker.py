@@ -21,6 +21,14 @@ import traceback
 from megatron_core.errors import MegatronCoreError
 
 RESET_SEED = 1234
+TEST_DEVICE_ENV = "MEGATRON_CORE_TEST_DEVICE"
+
+
+def harness_device_type() -> str:
+    """The harness's device type: "cuda" if ``MEGATRON_CORE_TEST_DEVICE=cuda``, else "cpu"."""
+    return "cuda" if os.environ.get(TEST_DEVICE_ENV, "").strip().lower() == "cuda" else "cpu"
+
+
 _STOP = b"stop"
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -62,7 +70,11 @@ def _init_worker(rank: int, world_size: int, init_method: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    backend = "gloo"
+    if harness_device_type() == "cuda":  # one GPU per rank; CPU tensors still go through gloo
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "cuda:nccl,cpu:gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     error = _reset_process_state()
     if error is not None:
         raise MegatronCoreError(f"resetting the worker state failed:\n{error}")
@@ -81,7 +93,7 @@ def _run_task(task: bytes) -> bytes:
         fn, args, kwargs = pickle.loads(payload)
         from megatron_core import device
 
-        device.set_device_type("cpu")
+        device.set_device_type(harness_device_type())
         reply = ("ok", pickle.dumps(fn(*args, **kwargs), protocol=_PROTOCOL))
     except BaseException as exc:  # reported to the caller, whatever it is
         reply = ("error", _describe(exc))

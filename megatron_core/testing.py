@@ -46,7 +46,11 @@ How it works:
    shared memory or file descriptors.
 6. Failure: once a rank fails, the others get ``_FAILURE_GRACE_S`` seconds to report (they may be
    blocked in a collective that will never complete), then the pool is killed.
-7. Timeout: the pool is killed (terminate, then kill, then join); no worker outlives the call.
+7. CUDA mode: with ``MEGATRON_CORE_TEST_DEVICE=cuda`` each rank binds GPU ``rank % count``, the
+   group is ``init_process_group("cuda:nccl,cpu:gloo")`` (CUDA tensors over NCCL, CPU tensors
+   over gloo) and the device type is "cuda". A world size above the GPU count is skipped under
+   pytest (the reason names both numbers) and raises MegatronCoreError otherwise.
+8. Timeout: the pool is killed (terminate, then kill, then join); no worker outlives the call.
    Pools are also shut down at interpreter exit, and workers exit on their own if the caller dies.
 """
 
@@ -73,8 +77,10 @@ from megatron_core._testing_worker import (
     _PROTOCOL,
     _STOP,
     RESET_SEED,
+    TEST_DEVICE_ENV,
     _pytest_rewritten_modules,
     _worker_main,
+    harness_device_type,
 )
 from megatron_core.errors import MegatronCoreError
 
@@ -323,6 +329,26 @@ def _check_arguments(fn: Callable, world_size: Any, timeout: Any, args, kwargs) 
         ) from exc
 
 
+def _check_gpu_count(world_size: int) -> None:
+    """CUDA mode (rule 7): skip (pytest) or refuse a world larger than the GPU count."""
+    if harness_device_type() != "cuda":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if world_size <= count:
+        return
+    reason = (
+        f"{TEST_DEVICE_ENV}=cuda: world size {world_size} needs {world_size} GPUs, "
+        f"this machine has {count}"
+    )
+    if "pytest" in sys.modules:
+        import pytest
+
+        pytest.skip(reason)
+    raise MegatronCoreError(reason)
+
+
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
 ) -> list:
@@ -354,6 +380,7 @@ def run_distributed(
     """
     __tracebackhide__ = True
     payload = _check_arguments(fn, world_size, timeout, args, kwargs)
+    _check_gpu_count(world_size)
     rewritten = _pytest_rewritten_modules()
     task = pickle.dumps((list(sys.path), os.getcwd(), rewritten, payload), protocol=_PROTOCOL)
     with _LOCK:

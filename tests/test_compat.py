@@ -4,8 +4,9 @@ tests/data/megatron_core_0_16_1_api.json is written by scripts/make_megatron_cor
 the megatron-core 0.16.1 wheel (read with ast, never imported), so this test needs no
 megatron-core. One test per manifest row: the name exists at megatron-core's import path, and
 every parameter megatron-core has is here with the same kind, in the same positional order, with
-the same default. Extra parameters are allowed only as keyword-only ones after megatron-core's
-(DESIGN.md: "Extensions are keyword arguments with defaults").
+the same default (for a class: of its ``__init__``, ``forward`` and public methods). Extra
+parameters are allowed only as keyword-only ones after megatron-core's (DESIGN.md: "Extensions
+are keyword arguments with defaults").
 """
 
 from __future__ import annotations
@@ -148,9 +149,29 @@ def test_tensor_parallel_name(name, row):
     assert not problems, "\n".join(problems)
 
 
+def parallel_state_problems(name: str, row: dict) -> list[str]:
+    from megatron_core import parallel_state
+
+    obj = getattr(parallel_state, name, None)
+    if obj is None:
+        return [f"parallel_state.{name} is missing"]
+    return member_problems(obj, row, f"parallel_state.{name}")
+
+
+@pytest.mark.parametrize(
+    "name,row", _checked_rows("parallel_state"), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_parallel_state_name(name, row):
+    problems = parallel_state_problems(name, row)
+    assert not problems, "\n".join(problems)
+
+
 def test_pending_rows_are_still_incompatible():
     """A PENDING row that now passes must move out of PENDING (and so be checked above)."""
-    checkers = {"tensor_parallel": tensor_parallel_problems}
+    checkers = {
+        "tensor_parallel": tensor_parallel_problems,
+        "parallel_state": parallel_state_problems,
+    }
     now_passing = [
         f"{section}.{name} ({owner})"
         for (section, name), owner in PENDING.items()

@@ -206,3 +206,19 @@ def test_linear_function_asks_for_the_overlap_check(monkeypatch):
     )
     linear_with_grad_accumulation_and_async_allreduce(x, w, None, False, False, False)
     assert calls == ["async tensor-model-parallel all-reduce"]
+
+
+def _world_size():
+    return torch.distributed.get_world_size()
+
+
+def test_harness_cuda_mode_skips_a_world_larger_than_the_gpu_count(monkeypatch):
+    from megatron_core.testing import run_distributed
+
+    monkeypatch.setenv("MEGATRON_CORE_TEST_DEVICE", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(
+        pytest.skip.Exception, match="world size 2 needs 2 GPUs, this machine has 1"
+    ):
+        run_distributed(_world_size, 2)

@@ -69,7 +69,34 @@ def _observe() -> dict:
         x = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(x, group=group)
         seen[f"{kind}_sum"] = int(x.item())
-    seen["scalars"] = (
+    seen["scalars"] = _scalars()
+    # megatron-core's unit tests: a setter given None falls back to the group's value again.
+    for setter in SETTERS:
+        setter(7)
+    seen["overridden"] = _sizes_and_ranks()
+    for setter in SETTERS:
+        setter(None)
+    seen["reverted"] = _scalars() == seen["scalars"]
+    seen["gloo"] = dist.get_process_group_ranks(ps.get_data_parallel_group_gloo())
+    seen["expt_gloo"] = dist.get_process_group_ranks(ps.get_expert_data_parallel_group_gloo())
+    return seen
+
+
+SETTERS = (
+    ps.set_tensor_model_parallel_rank,
+    ps.set_tensor_model_parallel_world_size,
+    ps.set_pipeline_model_parallel_rank,
+    ps.set_pipeline_model_parallel_world_size,
+    ps.set_data_parallel_rank,
+    ps.set_expert_model_parallel_rank,
+    ps.set_expert_model_parallel_world_size,
+    ps.set_expert_tensor_parallel_rank,
+    ps.set_expert_tensor_parallel_world_size,
+)
+
+
+def _sizes_and_ranks() -> tuple:
+    return (
         ps.get_tensor_model_parallel_rank(),
         ps.get_tensor_model_parallel_world_size(),
         ps.get_pipeline_model_parallel_rank(),
@@ -84,6 +111,11 @@ def _observe() -> dict:
         ps.get_expert_tensor_parallel_world_size(),
         ps.get_expert_data_parallel_rank(),
         ps.get_expert_data_parallel_world_size(),
+    )
+
+
+def _scalars() -> tuple:
+    return _sizes_and_ranks() + (
         ps.get_tensor_model_parallel_src_rank(),
         ps.get_data_parallel_src_rank(),
         ps.get_model_parallel_src_rank(),
@@ -97,9 +129,6 @@ def _observe() -> dict:
         ps.is_rank_in_embedding_group(),
         ps.is_rank_in_position_embedding_group(),
     )
-    seen["gloo"] = dist.get_process_group_ranks(ps.get_data_parallel_group_gloo())
-    seen["expt_gloo"] = dist.get_process_group_ranks(ps.get_expert_data_parallel_group_gloo())
-    return seen
 
 
 def _body_layouts(configs):
@@ -153,6 +182,10 @@ def test_groups_on_real_ranks_match_layout(world_size):
                 mine["embedding"] is not None, mine["position_embedding"] is not None,
             )  # fmt: skip
             assert seen["scalars"] == expected, (order, rank)
+            # Every rank and size with a setter reads 7; the dp size, cp and expert dp have none.
+            overridden = (7,) * 5 + expected[5:8] + (7,) * 4 + expected[12:14]
+            assert seen["overridden"] == overridden, rank
+            assert seen["reverted"]
             assert seen["tp_sum"] == sum(mine["tp"]) and seen["ep_sum"] == sum(mine["ep"])
             assert seen["gloo"] == mine["dp"] and seen["expt_gloo"] == mine["expt-dp"]
 
@@ -179,6 +212,7 @@ def _body_errors(world_size):
     expect(ps.initialize_model_parallel, use_sharp=True, sharp_enabled_group="tp")
     expect(ps.initialize_model_parallel, pipeline_model_parallel_comm_backend="mpi")
     expect(ps.initialize_model_parallel, distributed_timeout_minutes=0)
+    expect(ps.initialize_model_parallel, high_priority_stream_groups="dp_cp")
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     expect(ps.initialize_model_parallel)  # twice without destroy
     expect(ps.get_data_parallel_group, partial_data_parallel=True)
@@ -203,9 +237,10 @@ def test_bad_input_raises_on_every_rank_without_hanging():
         assert "sharp_enabled_group ('tp') must be 'dp' or 'dp_replica'" in messages[8]
         assert "pipeline_model_parallel_comm_backend ('mpi')" in messages[9]
         assert "distributed_timeout_minutes (0)" in messages[10]
-        assert "called twice" in messages[11]
-        assert "partial_data_parallel=True needs with_context_parallel=True" in messages[12]
-        assert messages[13] == 4
+        assert "high_priority_stream_groups ('dp_cp') must be a list" in messages[11]
+        assert "called twice" in messages[12]
+        assert "partial_data_parallel=True needs with_context_parallel=True" in messages[13]
+        assert messages[14] == 4
 
 
 def test_initialize_without_torch_distributed_raises():
@@ -383,6 +418,8 @@ def _body_more_getters(tmp_config):
     buffer = ps.get_global_memory_buffer()
     out["buffer"] = tuple(buffer.get_tensor((2, 2), torch.float32, "mpu").shape)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
+    subset = ProcessGroupCollection.use_mpu_process_groups(["tp", "pp", "cp"])
+    out["subset"] = (hasattr(subset, "cp"), hasattr(subset, "dp"), hasattr(pgs, "hcp"))
     out["pgs"] = {
         name: _ranks_or_none(getattr(pgs, name)) for name in ("tp", "dp_cp", "ep", "inter_dist_opt")
     }
@@ -399,6 +436,20 @@ def _body_more_getters(tmp_config):
     x = torch.ones(1)
     dist.all_reduce(x, group=ps.get_data_parallel_group(with_context_parallel=True))
     out["after_timeout"] = int(x.item())
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        context_parallel_size=4,
+        hierarchical_context_parallel_sizes=[2, 2],
+        hybrid_context_parallel=True,
+    )
+    out["hcp2"] = [_ranks_or_none(g) for g in ps.get_hierarchical_context_parallel_groups()]
+    out["hybrid"] = [
+        _ranks_or_none(ps.get_hybrid_data_context_parallel_groups(group_size=n)) for n in (2, 4)
+    ]
+    try:
+        ps.get_hybrid_data_context_parallel_groups(group_size=8)
+    except MegatronCoreError as e:
+        out["hybrid8"] = str(e)
     ps.destroy_model_parallel()
     out["after_destroy"] = (
         ps.model_parallel_is_initialized(),
@@ -463,8 +514,16 @@ def test_split_rank_nccl_options_partial_groups_and_more_getters(tmp_path):
         assert out["buffer"] == (2, 2)
         assert out["pgs"] == {"tp": mine["tp"], "dp_cp": mine["dp-cp"], "ep": mine["ep"],
                               "inter_dist_opt": mine["inter-dist-opt"]}  # fmt: skip
+        assert out["subset"] == (True, False, True)
         assert out["setup"] == (mine["inter-dist-opt"], mine["intra-dp-cp"], mine["tp"])
         assert out["after_timeout"] == 2
+        # cp=4 as [2, 2]: inner pairs [0,1] [2,3], outer pairs [0,2] [1,3]; hybrid sizes 2 and 4.
+        assert out["hcp2"] == [[rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]]
+        assert out["hybrid"] == [[rank - rank % 2, rank - rank % 2 + 1], [0, 1, 2, 3]]
+        assert (
+            "no hybrid data x context parallel group of size 8; sizes created: [2]"
+            in out["hybrid8"]
+        )
         assert out["after_destroy"] == (False, None)
 
 
@@ -493,6 +552,8 @@ def test_process_group_collection_holds_only_what_it_was_given():
     pgs = ProcessGroupCollection(tp=None)
     assert hasattr(pgs, "tp") and not hasattr(pgs, "dp")
     assert repr(pgs) == "ProcessGroupCollection(tp(None))"
+    pgs.hcp = [None, None]  # set after creation, as megatron-core's tests do
+    assert repr(pgs) == "ProcessGroupCollection(tp(None), hcp(2))"
     assert repr(ProcessGroupCollection()) == "ProcessGroupCollection(empty)"
     with pytest.raises(ValueError, match="Unknown attribute: tpp"):
         ProcessGroupCollection(tpp=None)
@@ -523,3 +584,39 @@ def test_setup_helpers_with_an_explicit_collection():
     with pytest.raises(ValueError, match="Gloo process groups are not supported"):
         chunk.ddp_config.num_distributed_optimizer_instances = 1
         ProcessGroupCollection.setup_process_groups_for_optimizer(pgs, [chunk], True)
+
+
+def _body_expert_rng(etp):
+    from megatron_core import tensor_parallel
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_tensor_parallel_size=etp)
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    with tensor_parallel.get_cuda_rng_tracker().fork("expert-parallel-rng"):
+        draw = torch.rand(4)
+    report = tensor_parallel.audit_rng_streams(raise_on_violation=True)
+    return draw, ps.get_expert_tensor_parallel_rank(), report.ok
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_expert_rng_stream_follows_the_expert_tensor_parallel_rank(etp):
+    # seed + 1024 + 100 * ep_rank + etp_rank: with etp = 1 both tensor ranks hold the same expert
+    # shard and must draw the same numbers; with etp = 2 they hold different shards.
+    (draw0, etp0, ok0), (draw1, etp1, ok1) = run_distributed(_body_expert_rng, 2, etp)
+    assert (etp0, etp1) == ((0, 0) if etp == 1 else (0, 1)) and ok0 and ok1
+    assert torch.equal(draw0, draw1) == (etp == 1)
+
+
+def test_nccl_options_from_a_config():
+    cfgs = {}
+    ps.overwrite_nccl_comm_cfgs(cfgs, "tp", ("is_high_priority_stream", True))
+    ps.overwrite_nccl_comm_cfgs(cfgs, "tp", ("max_ctas", 8))
+    assert cfgs == {"tp": {"is_high_priority_stream": True, "max_ctas": 8}}
+    assert ps.get_nccl_options("dp", cfgs) is None  # no entry: NCCL's defaults
+    with pytest.raises(MegatronCoreError, match=r"net_name \('carrier-pigeon'\)"):
+        ps.get_nccl_options("ep", {"ep": {"net_name": "carrier-pigeon"}})
+    if dist.is_nccl_available():
+        options = ps.get_nccl_options("tp", cfgs)
+        assert options.is_high_priority_stream and options.config.max_ctas == 8
+    else:  # CPU-only torch: a clear error instead of an AttributeError deep in torch
+        with pytest.raises(MegatronCoreError, match="need NCCL, which this torch build lacks"):
+            ps.get_nccl_options("tp", cfgs)

@@ -261,7 +261,11 @@ def test_workers_exit_when_the_caller_dies(tmp_path):
 
     script = tmp_path / "orphan_caller.py"
     script.write_text(_ORPHAN_SCRIPT)
-    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    # A plain script, not pytest: the harness's CUDA mode would refuse its 2 ranks on 1 GPU.
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_CORE_TEST_DEVICE"}
+    caller = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
+    )
     pids = [int(caller.stdout.readline()) for _ in range(2)]
     caller.send_signal(signal.SIGKILL)
     caller.wait()

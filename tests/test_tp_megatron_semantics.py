@@ -109,6 +109,23 @@ def _sized_from_group():
     return True
 
 
+def _expert_layers_use_the_expert_tensor_parallel_group():
+    """is_expert=True without tp_group: megatron-core's default is the expert-TP group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=world,
+        expert_model_parallel_size=world,
+        expert_tensor_parallel_size=1,
+    )
+    dense = _column(1)
+    expert = _column(1, is_expert=True)
+    assert (dense.tp_size, expert.tp_size) == (world, 1)
+    assert expert.tp_group is ps.get_expert_tensor_parallel_group()
+    torch.testing.assert_close(expert.weight, _full_weight(FFN, HIDDEN, 1))  # the whole matrix
+    torch.testing.assert_close(dense.weight, _full_weight(FFN, HIDDEN, 1).chunk(world)[rank])
+    return True
+
+
 def _frozen_and_disable_grad_reduce():
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -222,6 +239,7 @@ def _helpers_take_tp_group_positionally():
     "body",
     [
         _sized_from_group,
+        _expert_layers_use_the_expert_tensor_parallel_group,
         _frozen_and_disable_grad_reduce,
         _deferred_embedding_wgrad,
         _vocab_parallel_cross_entropy_blocks,

@@ -205,10 +205,10 @@ def _resolve_tp_group(layer: str, tp_group, is_expert: bool = False):
     layer, the expert-tensor-parallel group.
     """
     if tp_group is None:
-        getter = parallel_state.get_tensor_model_parallel_group
         if is_expert:
-            getter = getattr(parallel_state, "get_expert_tensor_parallel_group", getter)
-        tp_group = getter()
+            tp_group = parallel_state.get_expert_tensor_parallel_group()
+        else:
+            tp_group = parallel_state.get_tensor_model_parallel_group()
     rank = dist.get_rank(tp_group)
     if rank < 0:
         raise MegatronCoreError(

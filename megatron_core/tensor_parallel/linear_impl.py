@@ -53,13 +53,12 @@ __all__ = [
 #    Without it the function warns once (device.warn_if_overlap_is_serialized).
 
 
-def _weight_grad(grad_output, total_input, weight, accumulate_into_main_grad: bool):
+def _weight_grad(grad_output, total_input, main_grad: torch.Tensor | None):
     """dY^T X over all leading dims; see NOTE [ Overlapped linear backward ], rule 4."""
     grad_output = grad_output.reshape(-1, grad_output.shape[-1])
     total_input = total_input.reshape(-1, total_input.shape[-1])
-    if not accumulate_into_main_grad:
+    if main_grad is None:
         return grad_output.t().matmul(total_input)
-    main_grad = weight.main_grad
     if _apex_wgrad is not None and total_input.device.type == "cuda":
         if main_grad.dtype == torch.float32:
             kernel = _apex_wgrad.wgrad_gemm_accum_fp32
@@ -103,7 +102,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     ):
         ctx.save_for_backward(input, weight)
         ctx.use_bias = bias is not None
-        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        # The buffer itself, not weight.main_grad in backward: a saved tensor may unpack as
+        # another Python object (saved-tensor hooks, recompute) without the attribute.
+        ctx.main_grad = weight.main_grad if gradient_accumulation_fusion else None
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
         ctx.grad_output_buffer = grad_output_buffer
@@ -135,12 +136,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if grad_input is not None and ctx.sequence_parallel:
             pending = C.reduce_scatter_first_dim_async(grad_input, group)
         elif grad_input is not None and ctx.allreduce_dgrad:
-            pending = C.all_reduce_async(grad_input, group)  # rule 3
+            pending = C.all_reduce_async(grad_input, group, owned=True)  # rule 3
         grad_weight = None
         if wgrad_now:
-            grad_weight = _weight_grad(
-                grad_output, total_input, weight, ctx.gradient_accumulation_fusion
-            )
+            grad_weight = _weight_grad(grad_output, total_input, ctx.main_grad)
         grad_bias = None
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)

@@ -107,6 +107,22 @@ _ARGUMENTS = [
         ],
     ),
     (
+        "mixed precision (see megatron_core/training/mixed_precision.py)",
+        [
+            ("--bf16", False, _FLAG, "bf16 weights and activations, fp32 main grads and weights"),
+            (
+                "--fp16",
+                False,
+                _FLAG,
+                "fp16 weights and activations, fp32 main grads and weights, dynamic loss scaling",
+            ),
+            ("--initial-loss-scale", 2.0**16, _FLOAT, "fp16: the first loss scale"),
+            ("--min-loss-scale", 1.0, _FLOAT, "fp16: the loss scale never goes below this"),
+            ("--loss-scale-window", 1000, _POS, "fp16: clean iterations before the scale doubles"),
+            ("--hysteresis", 2, _POS, "fp16: overflows tolerated before the scale halves"),
+        ],
+    ),
+    (
         "launching",
         [
             (
@@ -214,6 +230,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.lr_warmup_iters < 0:
         raise MegatronCoreError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be >= 0")
+    if args.bf16 and args.fp16:
+        raise MegatronCoreError("--bf16 and --fp16 exclude each other: choose one")
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        raise MegatronCoreError(
+            f"--min-loss-scale ({args.min_loss_scale}) must be > 0 and <= --initial-loss-scale "
+            f"({args.initial_loss_scale})"
+        )
     if args.distributed_timeout_minutes <= 0:
         raise MegatronCoreError(
             f"--distributed-timeout-minutes ({args.distributed_timeout_minutes}) must be > 0"

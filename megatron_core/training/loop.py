@@ -30,6 +30,7 @@ from megatron_core.training.arguments import validate_args
 from megatron_core.training.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from megatron_core.training.data import VOCAB_SIZE, ByteCorpus, get_batch
 from megatron_core.training.launcher import RENDEZVOUS_ENV
+from megatron_core.training.mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
 from megatron_core.training.pipeline_step import (
     build_pipeline_model,
     model_chunks,
@@ -136,7 +137,7 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
-        pipeline_dtype=torch.float32 if args.pipeline_model_parallel_size > 1 else None,
+        pipeline_dtype=_pipeline_dtype(args),
         sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=True,
         num_layers=args.num_layers,
@@ -150,7 +151,24 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         distribute_saved_activations=args.distribute_saved_activations,
+        **_precision_options(args),
     )
+
+
+def _pipeline_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    """What stages send each other: the activations' dtype, that of the parameters."""
+    if args.pipeline_model_parallel_size == 1:
+        return None
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def _precision_options(args: argparse.Namespace) -> dict:
+    """--bf16 / --fp16: half-precision params, fp32 main_grad fusion (NOTE [ Mixed precision ])."""
+    if not (args.bf16 or args.fp16):
+        return {}
+    dtype = torch.bfloat16 if args.bf16 else torch.float16
+    return {"bf16": args.bf16, "fp16": args.fp16, "params_dtype": dtype,
+            "gradient_accumulation_fusion": True}  # fmt: skip
 
 
 def build_model_and_optimizer(args: argparse.Namespace, config: TransformerConfig):
@@ -178,6 +196,14 @@ def build_model_and_optimizer(args: argparse.Namespace, config: TransformerConfi
         lr=args.lr,
         betas=(args.adam_beta1, args.adam_beta2),
     )
+    if config.bf16 or config.fp16:  # fp32 main weights (NOTE [ Mixed precision ])
+        scaler = None
+        if config.fp16:
+            scaler = DynamicLossScaler(
+                args.initial_loss_scale, args.min_loss_scale,
+                growth_interval=args.loss_scale_window, hysteresis=args.hysteresis,
+            )  # fmt: skip
+        optimizer = MixedPrecisionOptimizer(optimizer, model, scaler)
     return model, optimizer
 
 
@@ -225,21 +251,25 @@ def train_step(model, optimizer, corpus: ByteCorpus, args: argparse.Namespace, s
     num_microbatches = args.global_batch_size // (args.micro_batch_size * dp_size)
     total = torch.zeros((), dtype=torch.float32, device=device.current_device())
     activation_bytes = 0
-    if args.pipeline_model_parallel_size > 1:
+    mixed = isinstance(optimizer, MixedPrecisionOptimizer)
+    if args.pipeline_model_parallel_size > 1:  # the loss is scaled by config.grad_scale_func
         total, activation_bytes = pipeline_forward_backward(
-            model, corpus, args, step, num_microbatches
+            model, corpus, args, step, num_microbatches, optimizer.scale_loss if mixed else None
         )
         num_microbatches = 0  # the schedule ran them
     for microbatch in range(num_microbatches):
         tokens, labels = get_batch(corpus, args, step, microbatch)
         with count_saved_activations(ignore=model.parameters()) as report:
             loss = model(tokens, labels).mean() / num_microbatches
-        loss.backward()
+        (optimizer.scale_loss(loss) if mixed else loss).backward()
         total += loss.detach()
         activation_bytes = max(activation_bytes, report.total_bytes)
+    # Mixed precision: the fp32 main weights, whose .grad is the (unscaled) main_grad buffer
+    # that finalize_model_grads reduces on the model (NOTE [ Mixed precision ], rule 3).
+    grads_of = optimizer.prepare_grads() if mixed else model
     _finalize_grads(model)
     if args.clip_grad > 0:
-        _clip_grads(model, args.clip_grad)
+        _clip_grads(grads_of, args.clip_grad)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(args, step)
     optimizer.step()
@@ -371,6 +401,11 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
         end = step + 1
         losses[end] = loss
         progress.step(end, loss, learning_rate(args, step), activation_bytes)
+        if getattr(optimizer, "last_step_skipped", False):
+            progress.print(
+                f"iteration {end}: update skipped (fp16 gradient overflow); loss scale now "
+                f"{optimizer.loss_scale:g}, {optimizer.skipped_iterations} skipped so far"
+            )
         if args.exit_interval and end % args.exit_interval == 0:
             progress.print(f"exiting at iteration {end} (--exit-interval {args.exit_interval})")
             break
@@ -380,6 +415,11 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
     if args.save and losses:
         _save(args, end, model, optimizer, progress)
     progress.summary(start, end)
+    if isinstance(optimizer, MixedPrecisionOptimizer) and optimizer.loss_scaler is not None:
+        progress.print(
+            f"fp16: {optimizer.skipped_iterations} skipped iterations, final loss scale "
+            f"{optimizer.loss_scale:g}"
+        )
     return TrainingResult(
         losses=losses,
         start_iteration=start,
