@@ -945,3 +945,18 @@ def test_bytes_alive_during_backward_as_torch():
         assert after <= torch_after, (retain_graph, after, torch_after)
         if retain_graph:
             assert torch_after < plain_after
+
+
+def test_rng_snapshots_are_shared_until_a_stream_moves(seeded):
+    from megatron_core.tensor_parallel.checkpoint_inputs import ForwardState
+
+    a, b = ForwardState.capture(), ForwardState.capture()
+    assert a.rng.tracker_states is b.rng.tracker_states  # nothing moved: one copy
+    with get_cuda_rng_tracker().fork():
+        torch.rand(1)
+        inside = ForwardState.capture()  # a stream in flight: copied afresh
+    c = ForwardState.capture()
+    assert inside.rng.tracker_states is not b.rng.tracker_states
+    assert c.rng.tracker_states is not b.rng.tracker_states
+    name = "model-parallel-rng"
+    assert not torch.equal(c.rng.tracker_states[name], b.rng.tracker_states[name])
