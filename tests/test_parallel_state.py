@@ -212,6 +212,7 @@ def _body_errors(world_size):
     expect(ps.initialize_model_parallel, use_sharp=True, sharp_enabled_group="tp")
     expect(ps.initialize_model_parallel, pipeline_model_parallel_comm_backend="mpi")
     expect(ps.initialize_model_parallel, distributed_timeout_minutes=0)
+    expect(ps.initialize_model_parallel, high_priority_stream_groups="dp_cp")
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     expect(ps.initialize_model_parallel)  # twice without destroy
     expect(ps.get_data_parallel_group, partial_data_parallel=True)
@@ -236,9 +237,10 @@ def test_bad_input_raises_on_every_rank_without_hanging():
         assert "sharp_enabled_group ('tp') must be 'dp' or 'dp_replica'" in messages[8]
         assert "pipeline_model_parallel_comm_backend ('mpi')" in messages[9]
         assert "distributed_timeout_minutes (0)" in messages[10]
-        assert "called twice" in messages[11]
-        assert "partial_data_parallel=True needs with_context_parallel=True" in messages[12]
-        assert messages[13] == 4
+        assert "high_priority_stream_groups ('dp_cp') must be a list" in messages[11]
+        assert "called twice" in messages[12]
+        assert "partial_data_parallel=True needs with_context_parallel=True" in messages[13]
+        assert messages[14] == 4
 
 
 def test_initialize_without_torch_distributed_raises():
@@ -597,3 +599,19 @@ def test_expert_rng_stream_follows_the_expert_tensor_parallel_rank(etp):
     (draw0, etp0, ok0), (draw1, etp1, ok1) = run_distributed(_body_expert_rng, 2, etp)
     assert (etp0, etp1) == ((0, 0) if etp == 1 else (0, 1)) and ok0 and ok1
     assert torch.equal(draw0, draw1) == (etp == 1)
+
+
+def test_nccl_options_from_a_config():
+    cfgs = {}
+    ps.overwrite_nccl_comm_cfgs(cfgs, "tp", ("is_high_priority_stream", True))
+    ps.overwrite_nccl_comm_cfgs(cfgs, "tp", ("max_ctas", 8))
+    assert cfgs == {"tp": {"is_high_priority_stream": True, "max_ctas": 8}}
+    assert ps.get_nccl_options("dp", cfgs) is None  # no entry: NCCL's defaults
+    with pytest.raises(MegatronCoreError, match=r"net_name \('carrier-pigeon'\)"):
+        ps.get_nccl_options("ep", {"ep": {"net_name": "carrier-pigeon"}})
+    if dist.is_nccl_available():
+        options = ps.get_nccl_options("tp", cfgs)
+        assert options.is_high_priority_stream and options.config.max_ctas == 8
+    else:  # CPU-only torch: a clear error instead of an AttributeError deep in torch
+        with pytest.raises(MegatronCoreError, match="need NCCL, which this torch build lacks"):
+            ps.get_nccl_options("tp", cfgs)
