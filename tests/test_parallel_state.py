@@ -418,6 +418,8 @@ def _body_more_getters(tmp_config):
     buffer = ps.get_global_memory_buffer()
     out["buffer"] = tuple(buffer.get_tensor((2, 2), torch.float32, "mpu").shape)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
+    subset = ProcessGroupCollection.use_mpu_process_groups(["tp", "pp", "cp"])
+    out["subset"] = (hasattr(subset, "cp"), hasattr(subset, "dp"), hasattr(pgs, "hcp"))
     out["pgs"] = {
         name: _ranks_or_none(getattr(pgs, name)) for name in ("tp", "dp_cp", "ep", "inter_dist_opt")
     }
@@ -512,6 +514,7 @@ def test_split_rank_nccl_options_partial_groups_and_more_getters(tmp_path):
         assert out["buffer"] == (2, 2)
         assert out["pgs"] == {"tp": mine["tp"], "dp_cp": mine["dp-cp"], "ep": mine["ep"],
                               "inter_dist_opt": mine["inter-dist-opt"]}  # fmt: skip
+        assert out["subset"] == (True, False, True)
         assert out["setup"] == (mine["inter-dist-opt"], mine["intra-dp-cp"], mine["tp"])
         assert out["after_timeout"] == 2
         # cp=4 as [2, 2]: inner pairs [0,1] [2,3], outer pairs [0,2] [1,3]; hybrid sizes 2 and 4.
@@ -549,6 +552,8 @@ def test_process_group_collection_holds_only_what_it_was_given():
     pgs = ProcessGroupCollection(tp=None)
     assert hasattr(pgs, "tp") and not hasattr(pgs, "dp")
     assert repr(pgs) == "ProcessGroupCollection(tp(None))"
+    pgs.hcp = [None, None]  # set after creation, as megatron-core's tests do
+    assert repr(pgs) == "ProcessGroupCollection(tp(None), hcp(2))"
     assert repr(ProcessGroupCollection()) == "ProcessGroupCollection(empty)"
     with pytest.raises(ValueError, match="Unknown attribute: tpp"):
         ProcessGroupCollection(tpp=None)
