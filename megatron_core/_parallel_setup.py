@@ -63,7 +63,13 @@ def validated_options(a: dict) -> GroupOptions:
     pp_backend = a["pipeline_model_parallel_comm_backend"]
     _validate_pp_backend(pp_backend)
     cfgs = load_nccl_config(a["nccl_communicator_config_path"])
-    for name in a["high_priority_stream_groups"] or []:
+    high_priority = a["high_priority_stream_groups"] or []
+    if isinstance(high_priority, str) or not all(isinstance(n, str) for n in high_priority):
+        raise MegatronCoreError(
+            f"high_priority_stream_groups ({high_priority!r}) must be a list of group names "
+            f"such as ['dp_cp', 'ep_dp']"
+        )
+    for name in high_priority:
         overwrite_nccl_comm_cfgs(cfgs, name, ("is_high_priority_stream", True))
     return GroupOptions(
         timeout=datetime.timedelta(minutes=minutes),
@@ -102,6 +108,7 @@ def _validate_pp_backend(backend: str | None) -> None:
 
 
 def load_nccl_config(path: str | None) -> dict:
+    """Read and check a communicator config yaml ({} for None); needs PyYAML."""
     if path is None:
         return {}
     try:
@@ -171,6 +178,8 @@ def create_groups(state, layout: dict[str, list[list[int]]], options, sizes) -> 
         if sharp:
             os.environ["NCCL_COLLNET_ENABLE"] = "1"
         backend = options.pp_backend if kind == "pp" else None
+        if backend == "ucc":
+            _ucc_environment()
         for ranks in layout[kind]:
             group = _group(ranks, kind, options, backend, tag="sharp" if sharp else "")
             if state.global_rank in ranks:
@@ -192,6 +201,23 @@ def create_groups(state, layout: dict[str, list[list[int]]], options, sizes) -> 
     for kind in extra:
         if kind.startswith("hybrid-dp-cp-") and kind in state.groups:
             state.hybrid_dp_cp_groups[int(kind.rsplit("-", 1)[1])] = state.groups[kind]
+
+
+def _ucc_environment() -> None:
+    """UCC settings megatron-core 0.16 makes before creating UCC pipeline groups.
+
+    Non-blocking waits, driver stream tasks and InfiniBand + CUDA copies unless set already;
+    rendezvous from the first byte, all network devices, no SHARP/NCCL inside UCC's basic layer.
+    """
+    os.environ.setdefault("TORCH_UCC_BLOCKING_WAIT", "none")
+    os.environ.setdefault("UCC_EC_CUDA_STREAM_TASK_MODE", "driver")
+    os.environ.setdefault("UCX_TLS", "ib,cuda_copy")
+    os.environ.update(
+        NSYS_UCP_COMM_PARAMS="1",
+        UCX_RNDV_THRESH="0",
+        UCX_NET_DEVICES="all",
+        UCC_CL_BASIC_TLS="^sharp,nccl",
+    )
 
 
 def _alias(state, kind: str, full: str) -> None:

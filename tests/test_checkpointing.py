@@ -6,6 +6,7 @@ difference, even in the last bit, is a bug (wrong dropout mask, wrong gather, lo
 """
 
 import re
+import weakref
 
 import pytest
 import torch
@@ -875,3 +876,72 @@ def test_early_stop_skips_the_tail_and_keeps_every_stream(seeded):
         with switch(False):
             got, n = _tail_step(seeded, cases["on"])
         assert n == plain + 2 and all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+# --- recomputed tensors freed after their last use (issue 12, point 3) -------------------------
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of every storage an op produced that is still alive; peak taken during backward.
+
+    A storage's Python object lives exactly as long as the storage (torch preserves it), so a
+    weak reference to it tells whether the memory is still held by anyone.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.refs, self.peak, self.in_backward = {}, 0, False
+
+    def live(self) -> int:
+        return sum(n for ref, n in self.refs.values() if ref() is not None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.refs[id(storage)] = (weakref.ref(storage), storage.nbytes())
+        if self.in_backward:
+            self.peak = max(self.peak, self.live())
+        return out
+
+
+def test_bytes_alive_during_backward_as_torch():
+    # No tracker streams: torch keeps no copies of them, so like is compared with like (ours
+    # would add one RNG-state copy per stream, 5 KB each, to what is alive).
+    import torch.utils.checkpoint as tc
+
+    assert not get_cuda_rng_tracker().states_
+    torch.manual_seed(SEED)
+
+    blocks = nn.ModuleList(
+        [nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(4)]
+    )
+
+    def measure(ckpt, retain_graph):
+        blocks.zero_grad(set_to_none=True)
+        with _LiveBytes() as live:  # the input is made inside: every mode counts it
+            h = torch.randn(128, 64, requires_grad=True)
+            for block in blocks:
+                h = h + ckpt(block, h)
+            live.in_backward = True
+            h.sum().backward(retain_graph=retain_graph)
+            after = live.live()
+        return live.peak, after
+
+    ours = lambda f, h: checkpoint(f, False, h, use_reentrant=False)  # noqa: E731
+    theirs = lambda f, h: tc.checkpoint(f, h, use_reentrant=False)  # noqa: E731
+    plain = lambda f, h: f(h)  # noqa: E731
+    for run in (ours, theirs, plain):  # first calls allocate lazily (caches): not measured
+        measure(run, False)
+    for retain_graph in (False, True):
+        (peak, after), (torch_peak, torch_after) = (
+            measure(ours, retain_graph),
+            measure(theirs, retain_graph),
+        )
+        plain_peak, plain_after = measure(plain, retain_graph)
+        assert peak <= torch_peak < plain_peak, (retain_graph, peak, torch_peak, plain_peak)
+        # After a backward that keeps the graph, nothing recomputed is still held.
+        assert after <= torch_after, (retain_graph, after, torch_after)
+        if retain_graph:
+            assert torch_after < plain_after

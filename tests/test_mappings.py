@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron_core import parallel_state as ps
 from megatron_core import tensor_parallel as tp_api
 from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel import _collectives
 from megatron_core.testing import run_distributed
 
 SHAPE = (8, 2, 8)  # [s, b, h]; s and h are divisible by 1, 2 and 4
@@ -242,7 +243,7 @@ def _half_sums(dtype_name):
     expected_row = torch.full((4,), sum(1.0 + i * 2**-7 for i in range(w)))
     expected = expected_row.expand(8, 4).clone()
     expected[0] = 256.0 + 0.5 * (w - 1)
-    expected = expected.to(dtype)
+    exact_sum, expected = expected, expected.to(dtype)
     exact = dict(rtol=0, atol=0)
     torch.testing.assert_close(
         tp_api.reduce_from_tensor_model_parallel_region(x), expected, **exact
@@ -254,6 +255,15 @@ def _half_sums(dtype_name):
     torch.testing.assert_close(rs, expected.split(uneven, dim=0)[r], **exact)
     rs = tp_api.reduce_scatter_last_dim_to_tensor_parallel_region(x.t().contiguous())
     torch.testing.assert_close(rs, expected.t().chunk(w, dim=-1)[r], **exact)
+    # owned=True: a buffer handed over is reduced in place unless it must be upcast (half on gloo).
+    group = ps.get_tensor_model_parallel_group()
+    for dtype_ in (torch.float32, dtype):
+        mine, kept = x.to(dtype_), x.to(dtype_).clone()
+        total = _collectives.all_reduce_async(mine, group, owned=True).wait()
+        torch.testing.assert_close(total, exact_sum.to(dtype_), **exact)
+        assert (total is mine) == (dtype_ == torch.float32)
+        _collectives.all_reduce_async(kept, group).wait()  # not owned: never written
+        torch.testing.assert_close(kept, x.to(dtype_), **exact)
     return True
 
 

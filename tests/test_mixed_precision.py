@@ -141,8 +141,6 @@ def _resume_reference(argv):
 def test_bf16_and_fp16_exclude_each_other():
     with pytest.raises(MegatronCoreError, match="--bf16 and --fp16"):
         parse_args(["--bf16", "--fp16"])
-    with pytest.raises(MegatronCoreError, match=r"--pipeline-model-parallel-size \(2\) > 1"):
-        parse_args(["--bf16", "--pipeline-model-parallel-size", "2"])
     with pytest.raises(MegatronCoreError, match=r"--min-loss-scale \(8.0\)"):
         parse_args(["--fp16", "--initial-loss-scale", "4", "--min-loss-scale", "8"])
 

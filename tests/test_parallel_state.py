@@ -212,6 +212,7 @@ def _body_errors(world_size):
     expect(ps.initialize_model_parallel, use_sharp=True, sharp_enabled_group="tp")
     expect(ps.initialize_model_parallel, pipeline_model_parallel_comm_backend="mpi")
     expect(ps.initialize_model_parallel, distributed_timeout_minutes=0)
+    expect(ps.initialize_model_parallel, high_priority_stream_groups="dp_cp")
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     expect(ps.initialize_model_parallel)  # twice without destroy
     expect(ps.get_data_parallel_group, partial_data_parallel=True)
@@ -236,9 +237,10 @@ def test_bad_input_raises_on_every_rank_without_hanging():
         assert "sharp_enabled_group ('tp') must be 'dp' or 'dp_replica'" in messages[8]
         assert "pipeline_model_parallel_comm_backend ('mpi')" in messages[9]
         assert "distributed_timeout_minutes (0)" in messages[10]
-        assert "called twice" in messages[11]
-        assert "partial_data_parallel=True needs with_context_parallel=True" in messages[12]
-        assert messages[13] == 4
+        assert "high_priority_stream_groups ('dp_cp') must be a list" in messages[11]
+        assert "called twice" in messages[12]
+        assert "partial_data_parallel=True needs with_context_parallel=True" in messages[13]
+        assert messages[14] == 4
 
 
 def test_initialize_without_torch_distributed_raises():
@@ -416,6 +418,8 @@ def _body_more_getters(tmp_config):
     buffer = ps.get_global_memory_buffer()
     out["buffer"] = tuple(buffer.get_tensor((2, 2), torch.float32, "mpu").shape)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
+    subset = ProcessGroupCollection.use_mpu_process_groups(["tp", "pp", "cp"])
+    out["subset"] = (hasattr(subset, "cp"), hasattr(subset, "dp"), hasattr(pgs, "hcp"))
     out["pgs"] = {
         name: _ranks_or_none(getattr(pgs, name)) for name in ("tp", "dp_cp", "ep", "inter_dist_opt")
     }
@@ -510,6 +514,7 @@ def test_split_rank_nccl_options_partial_groups_and_more_getters(tmp_path):
         assert out["buffer"] == (2, 2)
         assert out["pgs"] == {"tp": mine["tp"], "dp_cp": mine["dp-cp"], "ep": mine["ep"],
                               "inter_dist_opt": mine["inter-dist-opt"]}  # fmt: skip
+        assert out["subset"] == (True, False, True)
         assert out["setup"] == (mine["inter-dist-opt"], mine["intra-dp-cp"], mine["tp"])
         assert out["after_timeout"] == 2
         # cp=4 as [2, 2]: inner pairs [0,1] [2,3], outer pairs [0,2] [1,3]; hybrid sizes 2 and 4.
@@ -547,6 +552,8 @@ def test_process_group_collection_holds_only_what_it_was_given():
     pgs = ProcessGroupCollection(tp=None)
     assert hasattr(pgs, "tp") and not hasattr(pgs, "dp")
     assert repr(pgs) == "ProcessGroupCollection(tp(None))"
+    pgs.hcp = [None, None]  # set after creation, as megatron-core's tests do
+    assert repr(pgs) == "ProcessGroupCollection(tp(None), hcp(2))"
     assert repr(ProcessGroupCollection()) == "ProcessGroupCollection(empty)"
     with pytest.raises(ValueError, match="Unknown attribute: tpp"):
         ProcessGroupCollection(tpp=None)
@@ -597,3 +604,19 @@ def test_expert_rng_stream_follows_the_expert_tensor_parallel_rank(etp):
     (draw0, etp0, ok0), (draw1, etp1, ok1) = run_distributed(_body_expert_rng, 2, etp)
     assert (etp0, etp1) == ((0, 0) if etp == 1 else (0, 1)) and ok0 and ok1
     assert torch.equal(draw0, draw1) == (etp == 1)
+
+
+def test_nccl_options_from_a_config():
+    cfgs = {}
+    ps.overwrite_nccl_comm_cfgs(cfgs, "tp", ("is_high_priority_stream", True))
+    ps.overwrite_nccl_comm_cfgs(cfgs, "tp", ("max_ctas", 8))
+    assert cfgs == {"tp": {"is_high_priority_stream": True, "max_ctas": 8}}
+    assert ps.get_nccl_options("dp", cfgs) is None  # no entry: NCCL's defaults
+    with pytest.raises(MegatronCoreError, match=r"net_name \('carrier-pigeon'\)"):
+        ps.get_nccl_options("ep", {"ep": {"net_name": "carrier-pigeon"}})
+    if dist.is_nccl_available():
+        options = ps.get_nccl_options("tp", cfgs)
+        assert options.is_high_priority_stream and options.config.max_ctas == 8
+    else:  # CPU-only torch: a clear error instead of an AttributeError deep in torch
+        with pytest.raises(MegatronCoreError, match="need NCCL, which this torch build lacks"):
+            ps.get_nccl_options("tp", cfgs)

@@ -28,6 +28,8 @@ from megatron_core.pipeline_parallel import (
     get_forward_backward_func,
     interleaved_warmup_microbatches,
 )
+from megatron_core.process_groups_config import ProcessGroupCollection
+from megatron_core.tensor_parallel.memory import count_saved_activations
 from megatron_core.testing import NO_REUSE_ENV, run_distributed
 
 LAYERS, HIDDEN, SEQ, BATCH = 8, 6, 3, 2
@@ -125,7 +127,7 @@ def _chunks(config, pp, vp, rank):
     return chunks, per
 
 
-def _run_config(pp, vp, m, batch_p2p, deallocate, forward_only=False):
+def _run_config(pp, vp, m, batch_p2p, deallocate, forward_only=False, use_pgc=False):
     """Run one schedule on this rank; return (losses, {global layer index: (w.grad, b.grad)})."""
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp
@@ -144,6 +146,7 @@ def _run_config(pp, vp, m, batch_p2p, deallocate, forward_only=False):
             seq_length=SEQ,
             micro_batch_size=BATCH,
             forward_only=forward_only,
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups() if use_pgc else None,
         )
         grads = {}
         for c, chunk in enumerate(chunks):
@@ -177,6 +180,9 @@ CASES = {
         (4, 2, 8, True, False),
         (4, 2, 4, False, True),
         (2, None, 3, True, False),  # pp=2 x dp=2
+        (4, None, 4, True, False, True),  # forward only
+        (4, 2, 4, True, True, True, True),  # forward only, groups from a ProcessGroupCollection
+        (4, None, 5, False, False, False, True),
     ],
 }
 
@@ -184,7 +190,8 @@ CASES = {
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_schedules_match_one_process(world_size):
     per_rank = run_distributed(_compare_all, world_size, CASES[world_size], timeout=120)
-    for index, (pp, vp, m, *_) in enumerate(CASES[world_size]):
+    for index, (pp, vp, m, *flags) in enumerate(CASES[world_size]):
+        forward_only = len(flags) > 2 and flags[2]
         ref_layers, ref_losses = _reference(m)
         seen = set()
         for rank in range(world_size):
@@ -194,6 +201,9 @@ def test_schedules_match_one_process(world_size):
                 torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
             else:
                 assert losses == []
+            if forward_only:
+                assert grads == {}
+                seen.update(range(LAYERS))
             for i, (w, b) in grads.items():
                 torch.testing.assert_close(w, ref_layers[i].weight.grad)
                 torch.testing.assert_close(b, ref_layers[i].bias.grad)
@@ -411,3 +421,74 @@ def test_ring_exchange_both_directions(world_size, batch_p2p):
         assert prev == float((r - 1) % world_size)
         assert nxt == 100.0 + (r + 1) % world_size
         assert requires_grad
+
+
+# --- activation memory: in-flight microbatches per schedule -------------------------------------
+
+
+def _one_microbatch_bytes(chunk, x, target) -> int:
+    """Saved bytes of one microbatch's forward (and loss, on the last stage) through ``chunk``."""
+    if not chunk.pre_process:
+        chunk.set_input_tensor(torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True))
+    with count_saved_activations(ignore=chunk.parameters()) as report:
+        out = chunk(x)
+        if chunk.post_process:
+            ((out - target) ** 2).mean()
+    return report.total_bytes
+
+
+def _peak_in_flight(pp, ms):
+    """Per m: (peak saved bytes during 1F1B on this stage in units of one microbatch's bytes,
+    bytes still held after the step)."""
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    (chunk,), _ = _chunks(_config(deallocate_pipeline_outputs=True), pp, 1, rank)
+    _, x, target = _data(1)[0]
+    per_microbatch = _one_microbatch_bytes(chunk, x, target)
+    results = []
+    for m in ms:
+        with count_saved_activations(ignore=chunk.parameters()) as report:
+            get_forward_backward_func()(
+                forward_step_func=_forward_step,
+                data_iterator=iter(_data(m)),
+                model=chunk,
+                num_microbatches=m,
+                seq_length=SEQ,
+                micro_batch_size=BATCH,
+            )
+        results.append((report.peak_held_bytes / per_microbatch, report.held_bytes))
+    return results
+
+
+@pytest.mark.parametrize("world_size, ms", [(1, [6]), (2, [6]), (4, [8, 2])])
+def test_1f1b_keeps_at_most_pp_microbatches_in_flight(world_size, ms):
+    # NOTE [ 1F1B ], rule 3: stage r holds min(pp - r, m) microbatches' activations at its peak,
+    # however many microbatches the step has (no pipelining: one at a time).
+    per_rank = run_distributed(_peak_in_flight, world_size, world_size, ms, timeout=60)
+    for rank, results in enumerate(per_rank):
+        for m, (in_flight, held_after) in zip(ms, results):
+            assert in_flight == min(world_size - rank, m), (rank, m, in_flight)
+            assert held_after == 0  # every microbatch's graph was freed by its backward
+
+
+def _bad_send():
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    p2p = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), _config())
+    if not p2p.is_pp_first_stage:
+        return None  # the first stage must fail before posting anything: nothing to receive
+    errors = []
+    for tensor, shape in (
+        (torch.zeros(SEQ, BATCH, HIDDEN, dtype=torch.bfloat16), None),
+        (torch.zeros(SEQ, BATCH, HIDDEN + 1), (SEQ, BATCH, HIDDEN)),
+    ):
+        try:
+            p2p.send_forward_recv_backward(tensor, shape or (SEQ, BATCH, HIDDEN), False)
+        except MegatronCoreError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_sent_tensor_must_match_pipeline_dtype_and_shape():
+    errors, _ = run_distributed(_bad_send, 2, timeout=30)
+    assert "dtype torch.bfloat16 but config.pipeline_dtype is torch.float32" in errors[0]
+    assert "shape (3, 2, 7) but the pipeline's tensor_shape is (3, 2, 6)" in errors[1]

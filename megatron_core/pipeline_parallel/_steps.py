@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch.autograd import Variable
 
-from megatron_core import parallel_state
+from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -169,6 +169,13 @@ def _loss(
     return output_tensor, num_tokens
 
 
+def _autocast(config) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` on the current device when ``config.enable_autocast`` (megatron-core)."""
+    if not option(config, "enable_autocast", False):
+        return contextlib.nullcontext()
+    return torch.autocast(device.device_type(), dtype=option(config, "autocast_dtype"))
+
+
 def forward_step(
     forward_step_func: Callable,
     data_iterator,
@@ -188,7 +195,8 @@ def forward_step(
     """Run one microbatch through one model chunk.
 
     Sets the chunk's input (None on the first stage: the chunk reads ``data_iterator``), calls
-    ``forward_step_func(data_iterator, model)`` -> (output, loss_func) and, on the last stage,
+    ``forward_step_func(data_iterator, model)`` -> (output, loss_func) (under ``torch.autocast``
+    when ``config.enable_autocast``) and, on the last stage,
     turns the output into the scaled loss (NOTE [ Pipeline outputs ], rule 3) and appends
     ``loss_func``'s dict to ``forward_data_store``.
 
@@ -197,14 +205,15 @@ def forward_step(
         number of tokens, a 0-dim int tensor, 0 unless loss_func returned it).
     """
     set_input_tensor(model, input_tensor)
-    if checkpoint_activations_microbatch is not None and _calls_with_checkpoint_flag(
-        forward_step_func
-    ):
-        output_tensor, loss_func = forward_step_func(
-            data_iterator, model, checkpoint_activations_microbatch
-        )
-    else:
-        output_tensor, loss_func = forward_step_func(data_iterator, model)
+    with _autocast(config):
+        if checkpoint_activations_microbatch is not None and _calls_with_checkpoint_flag(
+            forward_step_func
+        ):
+            output_tensor, loss_func = forward_step_func(
+                data_iterator, model, checkpoint_activations_microbatch
+            )
+        else:
+            output_tensor, loss_func = forward_step_func(data_iterator, model)
     if not is_last_stage:
         return output_tensor, torch.tensor(0, dtype=torch.int)
     return _loss(

@@ -130,6 +130,20 @@ class P2PCommunicator:
             tuple(shape), dtype=dtype, device=device.current_device(), requires_grad=True
         )
 
+    def _check_sent(self, tensor: torch.Tensor, peer: str, tensor_shape) -> None:
+        """The receiver allocates pipeline_dtype x tensor_shape: a sent tensor must match them."""
+        dtype = self.config.pipeline_dtype if self.config is not None else None
+        if dtype is not None and tensor.dtype != dtype:
+            raise MegatronCoreError(
+                f"pipeline p2p: tensor sent to the {peer} stage has dtype {tensor.dtype} but "
+                f"config.pipeline_dtype is {dtype} (the receiver would misread its bytes)"
+            )
+        if tensor_shape is not None and tuple(tensor.shape) != tuple(tensor_shape):
+            raise MegatronCoreError(
+                f"pipeline p2p: tensor sent to the {peer} stage has shape {tuple(tensor.shape)} "
+                f"but the pipeline's tensor_shape is {tuple(tensor_shape)}"
+            )
+
     def _ops(self, send_next, recv_prev, send_prev, recv_next) -> list[tuple]:
         """(op, tensor, peer, tag, description) in NOTE [ P2P matching ] rule 2's order."""
         nxt, prv = self.next_rank, self.prev_rank
@@ -166,6 +180,9 @@ class P2PCommunicator:
             (tensor received from the previous stage or None, tensor received from the next
             stage or None, the request handles; already waited for when ``wait_on_reqs``).
         """
+        for name, sent in (("next", tensor_send_next), ("prev", tensor_send_prev)):
+            if sent is not None:
+                self._check_sent(sent, name, tensor_shape)
         buf_prev = (
             self._empty(tensor_shape, "receive from the previous stage") if recv_prev else None
         )

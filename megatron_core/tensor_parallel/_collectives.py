@@ -11,7 +11,8 @@ Every function returns a fresh tensor and leaves its input untouched.
    loses the result, e.g. for the expanded ones-gradient that ``out.sum().backward()`` produces.
 2. Nothing is reduced in place into a tensor this module does not own: a forward input may be used
    elsewhere, and autograd may hand the same gradient tensor to several consumers. The price is one
-   extra activation-sized buffer per all-reduce.
+   extra activation-sized buffer per all-reduce, except where the caller hands its own fresh
+   tensor over (``all_reduce_async(..., owned=True)``: the linear functions' input gradients).
 
 # NOTE [ Half-precision sums ]
 1. gloo adds bf16 (and fp16) tensors in their own precision, rounding after every partial sum and
@@ -118,11 +119,22 @@ def first_dim_split(input_: torch.Tensor, world_size: int, sizes, what: str) -> 
 # --- sums --------------------------------------------------------------------------------------
 
 
-def all_reduce_async(input_: torch.Tensor, group: dist.ProcessGroup) -> Pending:
-    """Start the sum of ``input_`` over ``group`` into a fresh buffer; ``wait()`` returns it."""
+def all_reduce_async(
+    input_: torch.Tensor, group: dist.ProcessGroup, *, owned: bool = False
+) -> Pending:
+    """Start the sum of ``input_`` over ``group``; ``wait()`` returns it.
+
+    The sum goes into a fresh buffer, or, with ``owned=True`` (the caller hands ``input_`` over,
+    e.g. a gradient it just computed), into ``input_`` itself when it is contiguous and needs no
+    upcast (NOTE [ Fresh contiguous buffers ], rule 2).
+    """
     consistency.check_collective("all_reduce", group, input_)
     dtype = _sum_dtype(input_, group)
-    buffer = input_.to(dtype, memory_format=torch.contiguous_format, copy=True)
+    in_place = owned and dtype == input_.dtype and input_.is_contiguous()
+    if in_place:
+        buffer = input_
+    else:
+        buffer = input_.to(dtype, memory_format=torch.contiguous_format, copy=True)
     work = dist.all_reduce(buffer, group=group, async_op=True)
     return Pending(work, lambda: buffer.to(input_.dtype), "all_reduce", group)
 

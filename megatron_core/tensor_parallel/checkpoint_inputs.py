@@ -112,7 +112,9 @@ class SavedInputs:
         self.leaves = [None if torch.is_tensor(x) else x for x in leaves]
         self.slots: list[_Slot] = []
         self.tensors: list[Any] | None = []
-        self.kept: Callable[[], Sequence[torch.Tensor]] = lambda: self.tensors or ()
+        # Set by the reentrant checkpoint to read ctx.saved_tensors. Never a closure over self:
+        # that cycle kept every input alive until the garbage collector ran.
+        self.kept: Callable[[], Sequence[torch.Tensor]] | None = None
         split = _split_indices(leaves, options)
         for index, x in enumerate(leaves):
             if torch.is_tensor(x):
@@ -171,7 +173,7 @@ class SavedInputs:
     def nbytes(self) -> int:
         """Bytes of storage held by the kept tensors (each storage counted once); a debug aid."""
         storages = {}
-        for t in self.kept():
+        for t in self.kept() if self.kept is not None else self.tensors or ():
             if torch.is_tensor(t):
                 storage = t.untyped_storage()
                 storages[(storage.device, storage.data_ptr())] = storage.nbytes()

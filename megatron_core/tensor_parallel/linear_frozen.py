@@ -45,7 +45,7 @@ class LinearWithFrozenWeight(torch.autograd.Function):
         (weight,) = ctx.saved_tensors
         grad_input = grad_output.matmul(weight)
         if ctx.allreduce_dgrad:
-            grad_input = _collectives.all_reduce(grad_input, ctx.tp_group)
+            grad_input = _collectives.all_reduce_async(grad_input, ctx.tp_group, owned=True).wait()
         return grad_input, None, None, None, None
 
 

@@ -136,7 +136,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if grad_input is not None and ctx.sequence_parallel:
             pending = C.reduce_scatter_first_dim_async(grad_input, group)
         elif grad_input is not None and ctx.allreduce_dgrad:
-            pending = C.all_reduce_async(grad_input, group)  # rule 3
+            pending = C.all_reduce_async(grad_input, group, owned=True)  # rule 3
         grad_weight = None
         if wgrad_now:
             grad_weight = _weight_grad(grad_output, total_input, ctx.main_grad)

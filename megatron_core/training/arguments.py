@@ -232,12 +232,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise MegatronCoreError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be >= 0")
     if args.bf16 and args.fp16:
         raise MegatronCoreError("--bf16 and --fp16 exclude each other: choose one")
-    if (args.bf16 or args.fp16) and args.pipeline_model_parallel_size > 1:
-        raise MegatronCoreError(
-            f"--{'bf16' if args.bf16 else 'fp16'} with --pipeline-model-parallel-size "
-            f"({args.pipeline_model_parallel_size}) > 1 is not supported yet (the pipeline "
-            "schedule does not scale the loss or send half-precision activations); use pp 1"
-        )
     if not 0 < args.min_loss_scale <= args.initial_loss_scale:
         raise MegatronCoreError(
             f"--min-loss-scale ({args.min_loss_scale}) must be > 0 and <= --initial-loss-scale "

@@ -135,7 +135,7 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
-        pipeline_dtype=torch.float32 if args.pipeline_model_parallel_size > 1 else None,
+        pipeline_dtype=_pipeline_dtype(args),
         sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=True,
         num_layers=args.num_layers,
@@ -151,6 +151,13 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
         distribute_saved_activations=args.distribute_saved_activations,
         **_precision_options(args),
     )
+
+
+def _pipeline_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    """What stages send each other: the activations' dtype, that of the parameters."""
+    if args.pipeline_model_parallel_size == 1:
+        return None
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
 def _precision_options(args: argparse.Namespace) -> dict:
@@ -242,9 +249,9 @@ def train_step(model, optimizer, corpus: ByteCorpus, args: argparse.Namespace, s
     total = torch.zeros((), dtype=torch.float32, device=device.current_device())
     activation_bytes = 0
     mixed = isinstance(optimizer, MixedPrecisionOptimizer)
-    if args.pipeline_model_parallel_size > 1:  # (--bf16/--fp16 refuse pp > 1: parse_args)
+    if args.pipeline_model_parallel_size > 1:  # the loss is scaled by config.grad_scale_func
         total, activation_bytes = pipeline_forward_backward(
-            model, corpus, args, step, num_microbatches
+            model, corpus, args, step, num_microbatches, optimizer.scale_loss if mixed else None
         )
         num_microbatches = 0  # the schedule ran them
     for microbatch in range(num_microbatches):

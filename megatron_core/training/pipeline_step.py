@@ -118,9 +118,9 @@ def build_pipeline_model(config: TransformerConfig, vocab_size: int, seq_length:
                 (vp or 1) - 1
             )
             chunk = GPTModel(bare, vocab_size, seq_length, first, last, vp_stage)
-            with torch.no_grad():
-                for key, tensor in chunk.state_dict().items():
-                    tensor.copy_(state[_global_key(key, chunk.layer_offset)])
+            chunk.load_state_dict(
+                {key: state[_global_key(key, chunk.layer_offset)] for key in chunk.state_dict()}
+            )
             chunks.append(chunk.to(device.current_device()))
     del state
     return chunks[0] if vp is None else torch.nn.ModuleList(chunks)
@@ -152,8 +152,14 @@ def _forward_step(corpus, args, step, record, data_iterator, model):
     return output, loss_func
 
 
-def pipeline_forward_backward(model, corpus: ByteCorpus, args, step: int, num_microbatches: int):
+def pipeline_forward_backward(
+    model, corpus: ByteCorpus, args, step: int, num_microbatches: int, grad_scale_func=None
+):
     """Forward and backward of step ``step`` over the pipeline (gradients accumulate in place).
+
+    ``grad_scale_func`` (the mixed-precision optimizer's ``scale_loss``) becomes the chunks'
+    ``config.grad_scale_func``: the schedule scales each microbatch's loss with it before its
+    backward, as megatron-core does.
 
     Returns:
         (the step's loss on this rank's data: sum over microbatches of loss / m, a 0-dim fp32
@@ -161,6 +167,8 @@ def pipeline_forward_backward(model, corpus: ByteCorpus, args, step: int, num_mi
         one chunk on this rank).
     """
     chunks = model_chunks(model)
+    for chunk in chunks:
+        chunk.config.grad_scale_func = grad_scale_func
     record: list[int] = []
     step_func = functools.partial(_forward_step, corpus, args, step, record)
     iterators = [iter(range(num_microbatches)) for _ in chunks]

@@ -1,0 +1,244 @@
+"""Pipeline schedules: activation bytes per stage and bubble fraction, measured vs. theory.
+
+Run (CPU, each pipeline size on that many gloo ranks)::
+
+    python scripts/benchmark_pipeline.py                       # pp 1 2 4, vp none/2, m 8
+    python scripts/benchmark_pipeline.py --pp 2 4 --microbatches 4 8 16 --forward-ms 20
+
+For each (pp, vp, m) a GPT of ``--num-layers`` layers is split into pp stages (pp * vp chunks)
+and one training step runs through ``get_forward_backward_func()`` twice:
+
+1. Memory: inside ``count_saved_activations`` (parameters ignored). ``peak`` is the most bytes
+   autograd held at once on the stage during the step (NOTE [ Saved-activation accounting ],
+   rule 3); ``in flight`` divides it by one microbatch's forward bytes through the stage's
+   chunks (measured alone, first), so it counts microbatches whose activations are alive at once.
+2. Time: every chunk's forward sleeps ``forward_ms / vp`` and its backward ``2 * forward_ms / vp``
+   on top of its real (small) compute, so a stage's planned work per step is m * 3 * forward_ms
+   whatever the machine's load (sleeping needs no CPU). ``idle`` is 1 - planned work / wall
+   time of the step (slowest stage): the bubble plus everything that is not planned work (the
+   p2p exchanges' own latency, the tiny GPT's real compute). Theory, for the bubble alone:
+   1F1B (pp - 1) / (m + pp - 1), interleaved (pp - 1) / (vp * m + pp - 1) (Narayanan et al.
+   2021, section 2.2). ``p2p s`` is the stage's time inside p2p calls and ``exchanges`` their
+   number: interleaving makes vp times as many, each paying the transport's latency.
+
+The numbers go to stdout as a markdown table (copied into BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_core import parallel_state  # noqa: E402
+from megatron_core.pipeline_parallel import P2PCommunicator, get_forward_backward_func  # noqa: E402
+from megatron_core.pipeline_parallel.interleaved import (  # noqa: E402
+    interleaved_warmup_microbatches,
+)
+from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron_core.tensor_parallel.memory import count_saved_activations  # noqa: E402
+from megatron_core.testing import run_distributed  # noqa: E402
+from megatron_core.transformer import GPTModel, TransformerConfig  # noqa: E402
+
+VOCAB = 256
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps ``forward_s`` in forward and ``backward_s`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s, backward_s):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class _TimedP2P(P2PCommunicator):
+    """P2PCommunicator that counts its exchanges and adds their wall time to ``waited``."""
+
+    waited, exchanges = 0.0, 0
+
+    def _communicate(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return super()._communicate(*args, **kwargs)
+        finally:
+            self.waited += time.perf_counter() - start
+            self.exchanges += 1
+
+
+def _build(opts, pp, vp):
+    config = TransformerConfig(
+        num_layers=opts.num_layers,
+        hidden_size=opts.hidden_size,
+        num_attention_heads=opts.num_attention_heads,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+    )
+    chunks = []
+    for c in range(vp or 1):
+        first = parallel_state.is_pipeline_first_stage() and c == 0
+        last = parallel_state.is_pipeline_last_stage() and c == (vp or 1) - 1
+        chunks.append(GPTModel(config, VOCAB, opts.seq_length, first, last, vp and c))
+    return config, chunks
+
+
+def _step_func(opts, sleep: tuple[float, float] | None):
+    g = torch.Generator().manual_seed(0)
+    text = torch.randint(0, VOCAB, (opts.micro_batch_size, opts.seq_length + 1), generator=g)
+    tokens, labels = text[:, :-1], text[:, 1:]
+
+    def forward_step(data_iterator, model):
+        next(data_iterator)
+        out = model(tokens, labels if model.post_process else None)
+        if sleep is not None:
+            out = _Sleep.apply(out, *sleep) * 1.0
+
+        def loss_func(per_token):
+            loss = per_token.mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    return forward_step
+
+
+def _schedule(chunks, opts, m, step_func, p2p=None):
+    vp = len(chunks) > 1 or parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    get_forward_backward_func()(
+        forward_step_func=step_func,
+        data_iterator=[iter(range(m)) for _ in chunks] if vp else iter(range(m)),
+        model=chunks if vp else chunks[0],
+        num_microbatches=m,
+        seq_length=opts.seq_length,
+        micro_batch_size=opts.micro_batch_size,
+        p2p_communicator=p2p,
+    )
+
+
+def _one_microbatch_bytes(chunks, opts, config) -> int:
+    step = _step_func(opts, None)
+    total = 0
+    for chunk in chunks:
+        if not chunk.pre_process:
+            shape = (opts.seq_length, opts.micro_batch_size, opts.hidden_size)
+            chunk.set_input_tensor(torch.randn(shape, requires_grad=True))
+        with count_saved_activations(ignore=chunk.parameters()) as report:
+            out, loss_func = step(iter([0]), chunk)
+            if chunk.post_process:
+                loss_func(out)
+        total += report.total_bytes
+    return total
+
+
+def _measure(opts, pp, vp, ms):
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp
+    )
+    model_parallel_cuda_manual_seed(1234)
+    config, chunks = _build(opts, pp, vp)
+    per_microbatch = _one_microbatch_bytes(chunks, opts, config)
+    params = [p for c in chunks for p in c.parameters()]
+    rows = []
+    for m in ms:
+        with count_saved_activations(ignore=params) as report:
+            _schedule(chunks, opts, m, _step_func(opts, None))
+        chunk_sleep = (opts.forward_ms / 1e3 / (vp or 1), 2 * opts.forward_ms / 1e3 / (vp or 1))
+        p2p = _TimedP2P(parallel_state.get_pipeline_model_parallel_group(), config)
+        dist.barrier()
+        start = time.perf_counter()
+        _schedule(chunks, opts, m, _step_func(opts, chunk_sleep), p2p if pp > 1 else None)
+        wall = time.perf_counter() - start
+        dist.barrier()
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        rows.append(
+            (
+                m,
+                report.peak_held_bytes,
+                report.peak_held_bytes / per_microbatch,
+                p2p.waited,
+                wall,
+                p2p.exchanges,
+            )  # fmt: skip
+        )
+    return rows
+
+
+def _theory(pp, vp, m):
+    if pp == 1:
+        return 0.0
+    return (pp - 1) / ((vp or 1) * m + pp - 1)
+
+
+def _expected_in_flight(pp, vp, m, rank):
+    if vp is None:
+        return min(pp - rank, m)
+    total = m * vp
+    return min(interleaved_warmup_microbatches(m, pp, rank, vp) + 1, total) / vp
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
+    parser.add_argument("--vp", type=int, default=2, help="virtual size for the interleaved rows")
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=64)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--forward-ms", type=float, default=20.0)
+    opts = parser.parse_args(argv)
+    print(
+        f"GPT {opts.num_layers} layers, h {opts.hidden_size}, s {opts.seq_length}, "
+        f"b {opts.micro_batch_size}, fp32, CPU/gloo; per microbatch and stage: forward "
+        f"{opts.forward_ms:g} ms + backward {2 * opts.forward_ms:g} ms of sleep\n"
+    )
+    print(
+        "| schedule | pp | vp | m | stage | peak saved KiB | in flight (expected) "
+        "| exchanges | p2p s | step s | idle | bubble theory |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for pp in opts.pp:
+        for vp in [None] if pp == 1 else [None, opts.vp]:
+            if vp is not None and (
+                opts.num_layers % (pp * vp) or any(m % pp for m in opts.microbatches)
+            ):
+                continue
+            name = "no pipelining" if pp == 1 else ("interleaved" if vp else "1F1B")
+            per_rank = run_distributed(_measure, pp, opts, pp, vp, opts.microbatches, timeout=600)
+            for i, m in enumerate(opts.microbatches):
+                wall = max(rows[i][4] for rows in per_rank)
+                idle = 1 - m * 3 * opts.forward_ms / 1e3 / wall
+                for rank, rows in enumerate(per_rank):
+                    _, peak, in_flight, waited, _, exchanges = rows[i]
+                    expected = _expected_in_flight(pp, vp, m, rank) if pp > 1 else 1
+                    print(
+                        f"| {name} | {pp} | {vp or '-'} | {m} | {rank} | {peak / 1024:.1f} "
+                        f"| {in_flight:.2f} ({expected:g}) | {exchanges} | {waited:.2f} | "
+                        + (
+                            f"{wall:.2f} | {idle:.3f} | {_theory(pp, vp, m):.3f} |"
+                            if rank == 0
+                            else "| | |"
+                        )
+                    )
+
+
+if __name__ == "__main__":
+    main()
