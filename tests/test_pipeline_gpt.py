@@ -262,3 +262,25 @@ def test_bf16_and_fp16_at_pp2_match_pp1():
         want = torch.tensor([ref[0][k] for k in range(1, 9)])
         got = torch.tensor([losses[k] for k in range(1, 9)])
         torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"num_layers": 3, "pipeline_model_parallel_size": 2}, r"num_layers \(3\) must be"),
+        (
+            {"num_layers": 4, "pipeline_model_parallel_size": 2,
+             "virtual_pipeline_model_parallel_size": 4},
+            r"num_layers \(4\) must be divisible by pipeline_model_parallel_size \(2\) \* "
+            r"virtual_pipeline_model_parallel_size \(4\)",
+        ),
+        ({"num_layers": 4, "virtual_pipeline_model_parallel_size": 2}, r"needs pipeline_model"),
+    ],
+)  # fmt: skip
+def test_transformer_config_rejects_uneven_stages(options, message):
+    from megatron_core.transformer import TransformerConfig
+
+    with pytest.raises(MegatronCoreError, match=message):
+        TransformerConfig(
+            hidden_size=8, num_attention_heads=2, pipeline_dtype=torch.float32, **options
+        )
