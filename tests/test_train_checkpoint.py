@@ -461,3 +461,60 @@ def test_master_weights_and_extra_state_are_saved_and_resharded(tmp_path, load_t
     if load_tp == 2:
         assert torch.equal(got, want)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+# --- across pipeline sizes and with mixed precision -----------------------------------------
+
+
+def _straight_then_resume(directory: str, save_options: dict, load_options: dict, phase: str):
+    common = {"train_iters": 6, **NO_DROPOUT}
+    if phase == "straight":
+        return _losses(_argv(**common, **save_options))
+    if phase == "save":
+        return _losses(_argv(exit_interval=3, save=directory, **common, **save_options))
+    return _losses(_argv(load=directory, **common, **load_options))
+
+
+def _reshard(tmp_path, save_world, save_options, load_world, load_options):
+    """(uninterrupted losses at the saving layout, losses 4-6 resumed at the loading layout)."""
+    args = (str(tmp_path), save_options, load_options)
+    straight = run_distributed(_straight_then_resume, save_world, *args, "straight")[0]
+    run_distributed(_straight_then_resume, save_world, *args, "save")
+    resumed = run_distributed(_straight_then_resume, load_world, *args, "load")[0]
+    assert sorted(resumed) == [4, 5, 6]
+    return (
+        torch.tensor([straight[i] for i in (4, 5, 6)], dtype=torch.float64),
+        torch.tensor([resumed[i] for i in (4, 5, 6)], dtype=torch.float64),
+    )
+
+
+PP2 = {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 1}
+TP1 = {"tensor_model_parallel_size": 1}
+
+
+@pytest.mark.parametrize(
+    "save_world, save_options, load_world, load_options",
+    [(2, PP2, 1, TP1), (1, TP1, 2, PP2), (2, PP2, 2, {"tensor_model_parallel_size": 2})],
+    ids=["pp2 -> pp1", "pp1 -> pp2", "pp2 -> tp2"],
+)
+def test_checkpoints_reshard_across_pipeline_sizes(
+    tmp_path, save_world, save_options, load_world, load_options
+):
+    """Layer keys are global (layer_offset), the tied embedding's last-stage copy is the same
+    tensor: a pp=2 checkpoint loads at pp=1 or tp=2 and back. Tolerance 1e-5 relative, as for
+    the TP reshard (fp32 sums in another order)."""
+    want, got = _reshard(tmp_path, save_world, save_options, load_world, load_options)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_resume_is_bitwise_and_reshards(tmp_path, precision):
+    """--bf16 / --fp16 keep fp32 main weights (and fp16 a loss scaler) in the optimizer: they
+    are saved under optimizer.master.* / optimizer.extra.*, so the resume is bitwise at the same
+    layout, and at tp=1 the losses follow the tp=2 run to half-precision rounding (bf16's
+    8 mantissa bits: the layouts round partial matmul sums at different points; 2e-2 relative)."""
+    options = {"tensor_model_parallel_size": 2, precision: True}
+    want, got = _reshard(tmp_path / "same", 2, options, 2, options)
+    assert torch.equal(got, want)
+    want, got = _reshard(tmp_path / "tp1", 2, options, 1, {**options, **TP1})
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=0)
