@@ -12,14 +12,14 @@ and one training step runs through ``get_forward_backward_func()`` twice:
    autograd held at once on the stage during the step (NOTE [ Saved-activation accounting ],
    rule 3); ``in flight`` divides it by one microbatch's forward bytes through the stage's
    chunks (measured alone, first), so it counts microbatches whose activations are alive at once.
-2. Time: every chunk's forward sleeps ``forward_ms / vp`` and its backward ``2 * forward_ms / vp``
-   on top of its real (small) compute, so a stage's planned work per step is m * 3 * forward_ms
-   whatever the machine's load (sleeping needs no CPU). ``idle`` is 1 - planned work / wall
-   time of the step (slowest stage): the bubble plus everything that is not planned work (the
-   p2p exchanges' own latency, the tiny GPT's real compute). Theory, for the bubble alone:
-   1F1B (pp - 1) / (m + pp - 1), interleaved (pp - 1) / (vp * m + pp - 1) (Narayanan et al.
-   2021, section 2.2). ``p2p s`` is the stage's time inside p2p calls and ``exchanges`` their
-   number: interleaving makes vp times as many, each paying the transport's latency.
+2. Time: the same schedule runs chunks whose work is sleeping (``forward_ms / vp`` per chunk
+   forward, twice that per backward; the tensors exchanged are tiny), so a stage's planned work
+   per step is m * 3 * forward_ms whatever the machine's load (sleeping needs no CPU). ``idle``
+   is 1 - planned work / wall time of the step (slowest stage): the bubble plus what is not
+   planned work (the p2p exchanges' latency, waking up on a loaded machine). Theory, for the
+   bubble alone: 1F1B (pp - 1) / (m + pp - 1), interleaved (pp - 1) / (vp * m + pp - 1)
+   (Narayanan et al. 2021, section 2.2). ``p2p s`` is the stage's time inside p2p calls and
+   ``exchanges`` their number: interleaving makes vp times as many, each paying the latency.
 
 The numbers go to stdout as a markdown table (copied into BENCHMARKS.md).
 """
@@ -30,6 +30,7 @@ import argparse
 import os
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -146,6 +147,59 @@ def _one_microbatch_bytes(chunks, opts, config) -> int:
     return total
 
 
+class _SleepChunk(torch.nn.Module):
+    """A chunk whose work is sleeping: [4, b, 8] through one tiny Linear, then ``_Sleep``."""
+
+    SHAPE = (4, 1, 8)
+
+    def __init__(self, pre_process, post_process, sleep):
+        super().__init__()
+        self.config = types.SimpleNamespace(
+            pipeline_dtype=torch.float32, hidden_size=self.SHAPE[-1], sequence_parallel=False
+        )
+        self.pre_process, self.post_process, self.sleep = pre_process, post_process, sleep
+        self.linear = torch.nn.Linear(self.SHAPE[-1], self.SHAPE[-1])
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensor):
+        self.input_tensor = tensor
+
+    def forward(self, x):
+        h = x if self.pre_process else self.input_tensor
+        return _Sleep.apply(self.linear(h), *self.sleep) * 1.0
+
+
+def _sleep_step(data_iterator, model):
+    next(data_iterator)
+    out = model(torch.ones(_SleepChunk.SHAPE))
+    return out, lambda output: (output.mean(), {})
+
+
+def _time_schedule(opts, pp, vp, m) -> tuple[float, float, int]:
+    """(p2p seconds, wall seconds, exchanges) of one step of sleeping chunks."""
+    sleep = (opts.forward_ms / 1e3 / (vp or 1), 2 * opts.forward_ms / 1e3 / (vp or 1))
+    chunks = []
+    for c in range(vp or 1):
+        first = parallel_state.is_pipeline_first_stage() and c == 0
+        last = parallel_state.is_pipeline_last_stage() and c == (vp or 1) - 1
+        chunks.append(_SleepChunk(first, last, sleep))
+    p2p = _TimedP2P(parallel_state.get_pipeline_model_parallel_group(), chunks[0].config)
+    dist.barrier()
+    start = time.perf_counter()
+    get_forward_backward_func()(
+        forward_step_func=_sleep_step,
+        data_iterator=[iter(range(m)) for _ in chunks] if vp else iter(range(m)),
+        model=chunks if vp else chunks[0],
+        num_microbatches=m,
+        seq_length=_SleepChunk.SHAPE[0],
+        micro_batch_size=_SleepChunk.SHAPE[1],
+        p2p_communicator=p2p if pp > 1 else None,
+    )
+    wall = time.perf_counter() - start
+    dist.barrier()
+    return p2p.waited, wall, p2p.exchanges
+
+
 def _measure(opts, pp, vp, ms):
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp
@@ -158,25 +212,9 @@ def _measure(opts, pp, vp, ms):
     for m in ms:
         with count_saved_activations(ignore=params) as report:
             _schedule(chunks, opts, m, _step_func(opts, None))
-        chunk_sleep = (opts.forward_ms / 1e3 / (vp or 1), 2 * opts.forward_ms / 1e3 / (vp or 1))
-        p2p = _TimedP2P(parallel_state.get_pipeline_model_parallel_group(), config)
-        dist.barrier()
-        start = time.perf_counter()
-        _schedule(chunks, opts, m, _step_func(opts, chunk_sleep), p2p if pp > 1 else None)
-        wall = time.perf_counter() - start
-        dist.barrier()
-        for c in chunks:
-            c.zero_grad(set_to_none=True)
-        rows.append(
-            (
-                m,
-                report.peak_held_bytes,
-                report.peak_held_bytes / per_microbatch,
-                p2p.waited,
-                wall,
-                p2p.exchanges,
-            )  # fmt: skip
-        )
+        waited, wall, exchanges = _time_schedule(opts, pp, vp, m)
+        peak = report.peak_held_bytes
+        rows.append((m, peak, peak / per_microbatch, waited, wall, exchanges))
     return rows
 
 

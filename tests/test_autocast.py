@@ -30,6 +30,7 @@ from megatron_core import device
 from megatron_core import parallel_state as ps
 from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.tensor_parallel import checkpoint, vocab_parallel_cross_entropy
+from megatron_core.tensor_parallel import mappings as M
 from megatron_core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -45,7 +46,16 @@ SEQ, BATCH, HIDDEN, FFN, VOCAB = 8, 2, 8, 16, 32  # all divisible by 4, the larg
 SEED = 2024
 TOL = {torch.bfloat16: {"rtol": 4e-2, "atol": 4e-2}, torch.float16: {"rtol": 1e-2, "atol": 1e-2}}
 EXACT = {"rtol": 0, "atol": 0}
-TOPICS = ("column", "row", "linear_function", "embedding", "cross_entropy", "checkpoint", "params")
+TOPICS = (
+    "column",
+    "row",
+    "linear_function",
+    "embedding",
+    "cross_entropy",
+    "checkpoint",
+    "params",
+    "mappings",
+)
 
 
 def init_method(tensor):
@@ -331,6 +341,54 @@ def check_params(report, tp, rank, dtype):
         report.close(f"{name} fc2 bias grad", fc2.bias.grad, ref2.bias.grad, TOL[dtype])
 
 
+def _sp_round_trip(h, group):
+    shard = M.scatter_to_sequence_parallel_region(h, group=group)
+    return M.gather_from_sequence_parallel_region(shard, False, group=group)
+
+
+def _all_to_all_round_trip(h, group):
+    shard = M.scatter_to_sequence_parallel_region(h, group=group)
+    hp = M.all_to_all_sp2hp(shard.reshape(-1, shard.shape[-1]), group=group)
+    back = M.all_to_all_hp2sp(hp, group=group).reshape(shard.shape)
+    return M.gather_from_sequence_parallel_region(back, False, group=group)
+
+
+# (name, regions applied to the same activation on every rank, scale of the serial equivalent)
+MAPPING_CASES = [
+    ("copy_to -> reduce_from", lambda h, g: M.reduce_from_tensor_model_parallel_region(
+        M.copy_to_tensor_model_parallel_region(h, group=g), group=g), "tp"),
+    ("scatter_to -> gather_from", lambda h, g: M.gather_from_tensor_model_parallel_region(
+        M.scatter_to_tensor_model_parallel_region(h, group=g), group=g), 1),
+    ("sequence scatter -> gather", _sp_round_trip, 1),
+    ("sequence reduce-scatter -> gather", lambda h, g: M.gather_from_sequence_parallel_region(
+        M.reduce_scatter_to_sequence_parallel_region(h, group=g), group=g), "tp"),
+    ("last-dim reduce-scatter -> all-gather", lambda h, g:
+        M.all_gather_last_dim_from_tensor_parallel_region(
+            M.reduce_scatter_last_dim_to_tensor_parallel_region(h, group=g), group=g), "tp"),
+    ("all_to_all sp2hp -> hp2sp", _all_to_all_round_trip, 1),
+]  # fmt: skip
+
+
+def check_mappings(report, tp, rank, dtype):
+    """Every region function on an autocast (half-precision) activation: dtype kept, values and
+    gradients those of the serial equivalent (identity, or a sum of tp equal copies)."""
+    group = ps.get_tensor_model_parallel_group()
+    x, dy = randn(SEQ, BATCH, HIDDEN, seed=17), randn(SEQ, BATCH, HIDDEN, seed=18)
+    w = full_weight(HIDDEN, HIDDEN, SEED).to(device.current_device())
+    for name, regions, scale in MAPPING_CASES:
+        scale = tp if scale == "tp" else scale
+        x_in, w_in, x_ref, w_ref = leaf(x), leaf(w), leaf(x), leaf(w)
+        with autocast(dtype):
+            out = regions(F.linear(x_in, w_in), group)
+            y_ref = F.linear(x_ref, w_ref) * scale
+        report.true(f"{dtype} {name} keeps {dtype}", out.dtype == dtype)
+        out.backward(dy.to(out.dtype))
+        y_ref.backward(dy.to(y_ref.dtype))
+        report.close(f"{dtype} {name} output", out, y_ref, TOL[dtype])
+        report.close(f"{dtype} {name} input grad", x_in.grad, x_ref.grad, TOL[dtype])
+        report.close(f"{dtype} {name} weight grad", w_in.grad, w_ref.grad, TOL[dtype])
+
+
 CHECKS = {
     "column": check_column,
     "row": check_row,
@@ -339,6 +397,7 @@ CHECKS = {
     "cross_entropy": check_cross_entropy,
     "checkpoint": check_checkpoint,
     "params": check_params,
+    "mappings": check_mappings,
 }
 
 

@@ -360,7 +360,7 @@ def test_saved_inputs_memory_and_autograd_grad(world_size):
 @pytest.fixture
 def seeded():
     """Seeded RNG streams without parallel_state (tp rank 0); the tracker is emptied after."""
-    model_parallel_cuda_manual_seed(SEED)
+    model_parallel_cuda_manual_seed(SEED, tp_rank=0)
     yield get_rng_snapshot()
     get_cuda_rng_tracker().reset()
 
@@ -945,3 +945,62 @@ def test_bytes_alive_during_backward_as_torch():
         assert after <= torch_after, (retain_graph, after, torch_after)
         if retain_graph:
             assert torch_after < plain_after
+
+
+def test_rng_snapshots_are_shared_until_a_stream_moves(seeded):
+    from megatron_core.tensor_parallel.checkpoint_inputs import ForwardState
+
+    a, b = ForwardState.capture(), ForwardState.capture()
+    assert a.rng.tracker_states is b.rng.tracker_states  # nothing moved: one copy
+    with get_cuda_rng_tracker().fork():
+        torch.rand(1)
+        inside = ForwardState.capture()  # a stream in flight: copied afresh
+    c = ForwardState.capture()
+    assert inside.rng.tracker_states is not b.rng.tracker_states
+    assert c.rng.tracker_states is not b.rng.tracker_states
+    name = "model-parallel-rng"
+    assert not torch.equal(c.rng.tracker_states[name], b.rng.tracker_states[name])
+
+
+# --- megatron-core 0.16 names: checkpoint(fn, None, ...), is_checkpointing, the Function ------
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_megatron_core_0_16_names(seeded, use_reentrant):
+    from megatron_core.tensor_parallel import random as tp_random
+
+    seen = []
+
+    def region(t):
+        seen.append(tp_random.is_checkpointing())
+        return F.dropout(t.sin(), P) * t
+
+    x = torch.randn(5, requires_grad=True)
+    set_rng_snapshot(seeded)
+    want = region(x)
+    want.sum().backward()
+    want_grad, x.grad = x.grad, None
+    assert seen == [False] and not tp_random.is_checkpointing()
+    set_rng_snapshot(seeded)
+    out = tp_random.checkpoint(region, None, x, use_reentrant=use_reentrant)  # None: False
+    assert not tp_random.is_checkpointing()
+    out.sum().backward()
+    # True in the region's forward and in its recompute, False after.
+    assert seen == [False, True, True] and not tp_random.is_checkpointing()
+    assert torch.equal(out, want) and torch.equal(x.grad, want_grad)
+
+
+def test_checkpoint_without_output_function_as_megatron_core_calls_it(seeded):
+    from megatron_core.tensor_parallel.random import CheckpointWithoutOutputFunction
+
+    x = torch.randn(4, 3, requires_grad=True)
+    owner = CheckpointWithoutOutput()
+    out = owner.checkpoint(torch.sin, x)
+    ctx = owner.ctx  # set by CheckpointWithoutOutputFunction.forward, as in megatron-core
+    assert isinstance(out.grad_fn, CheckpointWithoutOutputFunction._backward_cls)
+    assert ctx.inputs is None and ctx.outputs is None
+    owner._recompute(None)  # what the gradient hook calls: fills ctx.inputs / ctx.outputs
+    assert owner.ctx is None and torch.equal(ctx.outputs[0], x.sin())
+    (out * 2).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.cos(), rtol=0, atol=0)
+    assert ctx.inputs is None and ctx.outputs is None  # released by backward

@@ -36,9 +36,7 @@ DELIBERATELY_ABSENT_METHODS = {
 # Rows another helper's work provides and that have not landed yet, with the owner. They are
 # not silently skipped: test_pending_rows_are_still_incompatible fails as soon as one of them
 # passes, so each must leave this list when its owner lands.
-PENDING = {
-    ("tensor_parallel", "CheckpointWithoutOutputFunction"): "ackpt (random.py re-export)",
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 _KIND = {
     "positional_only": inspect.Parameter.POSITIONAL_ONLY,

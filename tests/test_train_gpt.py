@@ -11,18 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_core.testing import run_distributed
 from megatron_core.training import (
     TRACKER_FILENAME,
     ByteCorpus,
-    build_model_and_optimizer,
     learning_rate,
-    load_checkpoint,
     model_config,
     parse_args,
     train,
@@ -261,92 +256,6 @@ def test_recompute_gives_bitwise_the_same_training(sequence_parallel):
             assert other_losses == losses, name
             for key in params:
                 assert torch.equal(other_params[key], params[key]), (name, key)
-
-
-# --- checkpoints --------------------------------------------------------------------------------
-
-
-def _resume(directory: str, tp: int):
-    common = {"hidden_dropout": 0.1, "attention_dropout": 0.1, "tensor_model_parallel_size": tp}
-    straight_losses, straight_params = _train(_argv(train_iters=10, **common))
-    first, _ = _train(_argv(train_iters=10, exit_interval=5, save=directory, **common))
-    resumed_losses, resumed_params = _train(_argv(train_iters=10, load=directory, **common))
-    return straight_losses, straight_params, first, resumed_losses, resumed_params
-
-
-@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "tp1 x dp2"])
-def test_resume_continues_bitwise(tmp_path, tp):
-    """10 iterations straight == 5, save, load, 5 more: the same losses and parameters, bit for
-    bit (dropout 0.1, so the RNG state must be restored too)."""
-    for straight, params, first, resumed, resumed_params in run_distributed(
-        _resume, 2, str(tmp_path), tp
-    ):
-        assert sorted(first) == [1, 2, 3, 4, 5] and sorted(resumed) == [6, 7, 8, 9, 10]
-        assert {**first, **resumed} == straight
-        for key in params:
-            assert torch.equal(resumed_params[key], params[key]), key
-    assert (tmp_path / TRACKER_FILENAME).read_text().strip() == "5"
-
-
-def _failed_load(directory: str, tp: int):
-    """Try to load ``directory`` into a fresh tp-way model; returns (message, params unchanged)."""
-    args = parse_args(_argv(tensor_model_parallel_size=tp))
-    validate_args(args, dist.get_world_size())
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    model_parallel_cuda_manual_seed(args.seed)
-    model, optimizer = build_model_and_optimizer(args, model_config(args))
-    before = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
-    rng_before = torch.get_rng_state()
-    try:
-        load_checkpoint(directory, model, optimizer)
-        message = None
-    except MegatronCoreError as exc:
-        message = str(exc)
-    unchanged = all(torch.equal(before[k], model.state_dict()[k]) for k in before)
-    unchanged = unchanged and not optimizer.state and torch.equal(rng_before, torch.get_rng_state())
-    parallel_state.destroy_model_parallel()
-    return message, unchanged
-
-
-def _checkpoint_errors(directory: str):
-    _train(_argv(train_iters=2, tensor_model_parallel_size=2, save=directory))
-    iteration_dir = Path(directory) / "iter_0000002"
-    results = {"other tp": _failed_load(directory, 1)}
-    dist.barrier()
-    if dist.get_rank() == 0:
-        data = (iteration_dir / "mp_rank_01_000.pt").read_bytes()
-        (iteration_dir / "mp_rank_01_000.pt").write_bytes(data[: len(data) // 2])
-    dist.barrier()
-    results["corrupt"] = _failed_load(directory, 2)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (iteration_dir / "mp_rank_01_000.pt").unlink()
-    dist.barrier()
-    results["missing"] = _failed_load(directory, 2)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (Path(directory) / TRACKER_FILENAME).unlink()
-    dist.barrier()
-    results["no tracker"] = _failed_load(directory, 2)
-    return results
-
-
-def test_bad_checkpoints_fail_clearly_on_every_rank_and_touch_nothing(tmp_path):
-    expected = {
-        "other tp": "saved with tensor_model_parallel_size 2 (this run: 1)",
-        "corrupt": "mp_rank_01_000.pt is unreadable",
-        "missing": "mp_rank_01_000.pt is missing",
-        "no tracker": f"{TRACKER_FILENAME} does not exist",
-    }
-    for rank_results in run_distributed(_checkpoint_errors, 2, str(tmp_path)):
-        for case, (message, unchanged) in rank_results.items():
-            assert message is not None and expected[case] in message, (case, message)
-            assert "loading checkpoint" in message, message
-            assert unchanged, case
-        # Only rank 1 reads mp_rank_01; every rank reports it. Both ranks fail on the TP size.
-        assert "rank(s) [0, 1]" in rank_results["other tp"][0]
-        assert "rank(s) [1]" in rank_results["corrupt"][0]
-        assert "rank(s) [1]" in rank_results["missing"][0]
 
 
 # --- own data -----------------------------------------------------------------------------------

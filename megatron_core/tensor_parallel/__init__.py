@@ -165,6 +165,7 @@ __all__ += [
 # --- section: checkpointing.py (owner: checkpoint) ---
 from megatron_core.tensor_parallel.checkpointing import (  # noqa: E402
     CheckpointWithoutOutput,
+    CheckpointWithoutOutputFunction,
     Distribute,
     RecomputeMethod,
     capture_saved_inputs,
@@ -178,6 +179,7 @@ from megatron_core.tensor_parallel.checkpointing import (  # noqa: E402
 __all__ += [
     "checkpoint",
     "CheckpointWithoutOutput",
+    "CheckpointWithoutOutputFunction",
     "Distribute",
     "RecomputeMethod",
     "checkpoint_layer_stack",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,12 @@ import torch.distributed as dist
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.random import RNGSnapshot, get_rng_snapshot, set_rng_snapshot
+from megatron_core.tensor_parallel.random import (
+    RNGSnapshot,
+    get_cuda_rng_tracker,
+    get_rng_snapshot,
+    set_rng_snapshot,
+)
 from megatron_core.tensor_parallel.utils import (
     gather_split_1d_tensor,
     split_tensor_into_1d_equal_chunks,
@@ -261,6 +266,41 @@ def _autocast_states() -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
+# (tracker, its state objects when copied, the copies): see _rng_snapshot.
+_TRACKER_COPIES: list[tuple[Any, dict[str, Any], Mapping[str, Any]]] = []
+
+
+def _rng_snapshot() -> RNGSnapshot:
+    """get_rng_snapshot(), sharing the tracker-state copies with the previous snapshot when no
+    stream moved since (nested regions, consecutive regions without tracker draws between).
+
+    Sound because the tracker replaces a stream's state object whenever it changes (a fork
+    stores a new tensor on exit; set_states and add build new ones) and a copy is never
+    written to (NOTE [ RNG streams ], rule 5). Graph-safe states (torch.Generator objects that
+    change in place) and trackers without ``states_`` are copied every time.
+    """
+    tracker = get_cuda_rng_tracker()
+    states = getattr(tracker, "states_", None)
+    shareable = (
+        isinstance(states, dict)
+        and getattr(tracker, "_active", None) is None
+        and all(type(v) is torch.Tensor for v in states.values())
+    )
+    if not shareable:
+        return get_rng_snapshot()
+    if _TRACKER_COPIES:
+        owner, sources, copies = _TRACKER_COPIES[0]
+        same = owner is tracker and sources.keys() == states.keys()
+        if same and all(sources[k] is v for k, v in states.items()):
+            kind = device.device_type()
+            cpu_state = torch.get_rng_state()
+            device_state = cpu_state if kind == "cpu" else device.get_rng_state()
+            return RNGSnapshot(kind, cpu_state, device_state, copies, None)
+    snapshot = get_rng_snapshot()
+    _TRACKER_COPIES[:] = [(tracker, dict(states), snapshot.tracker_states)]
+    return snapshot
+
+
 @dataclass(frozen=True)
 class ForwardState:
     """The RNG snapshot and autocast state current when a checkpoint's forward ran (rule 2)."""
@@ -271,7 +311,7 @@ class ForwardState:
     @classmethod
     def capture(cls) -> ForwardState:
         """Snapshot the CPU, device and tracker RNG states and the autocast state now."""
-        return cls(get_rng_snapshot(), _autocast_states())
+        return cls(_rng_snapshot(), _autocast_states())
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:

@@ -24,37 +24,49 @@ import torch
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.checkpoint_inputs import ForwardState, backward_through
 
-__all__ = ["CheckpointWithoutOutput"]
+__all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputFunction"]
 
 
-class _CheckpointWithoutOutputFunction(torch.autograd.Function):
-    """Forward: run the function without grad, keep its inputs. Backward: backpropagate through
-    the outputs its owner recomputed (recomputing now if no hook did)."""
+class CheckpointWithoutOutputFunction(torch.autograd.Function):
+    """megatron-core's helper of :class:`CheckpointWithoutOutput`.
+
+    Called as ``CheckpointWithoutOutputFunction.apply(run_function, owner, *args)``. Forward:
+    run the function without grad, save the inputs, set ``owner.ctx``. Backward: backpropagate
+    through ``ctx.outputs`` from ``ctx.inputs``, both set by the owner's recompute (which runs
+    here first if no gradient hook ran it), then drop them.
+    """
 
     @staticmethod
-    def forward(ctx, run_function, owner, *args):
+    def forward(ctx, run_function, checkpoint_without_output_obj, *args):
+        """Run ``run_function(*args)`` without grad; save the inputs for the recompute."""
         with torch.no_grad():
             outputs = run_function(*args)
         ctx.is_tensor = [torch.is_tensor(a) for a in args]
         ctx.non_tensors = [None if torch.is_tensor(a) else a for a in args]
-        ctx.save_for_backward(*[a for a in args if torch.is_tensor(a)])
-        ctx.recomputed = None  # (inputs, outputs), set by owner._recompute
-        owner.ctx = ctx
-        ctx.owner = owner
+        ctx.save_for_backward(*[a.detach() for a in args if torch.is_tensor(a)])
+        ctx.inputs_require_grad = [a.requires_grad for a in args if torch.is_tensor(a)]
+        ctx.inputs = ctx.outputs = None  # set by the owner's _recompute
+        checkpoint_without_output_obj.ctx = ctx
+        ctx.owner = checkpoint_without_output_obj
         return outputs
 
     @staticmethod
-    def backward(ctx, *grad_outputs):
-        if ctx.recomputed is None:
+    def backward(ctx, *args):
+        """Backpropagate ``args`` (the output gradients) through the recomputed outputs; return
+        the input gradients."""
+        if ctx.outputs is None and ctx.owner is not None:
             ctx.owner._recompute(None)
-        if ctx.recomputed is None:
+        if ctx.outputs is None:
             raise MegatronCoreError(
                 "CheckpointWithoutOutput: a second backward through the same checkpoint() call; "
                 "the recompute runs once (retain_graph=True is not supported, as in megatron-core)"
             )
-        inputs, outputs = ctx.recomputed
-        ctx.recomputed = None
-        return (None, None, *backward_through(outputs, grad_outputs, inputs))
+        inputs, outputs = ctx.inputs, ctx.outputs
+        ctx.inputs = ctx.outputs = ctx.owner = None
+        return (None, None, *backward_through(outputs, args, inputs))
+
+
+_CheckpointWithoutOutputFunction = CheckpointWithoutOutputFunction  # the earlier private name
 
 
 class CheckpointWithoutOutput:
@@ -86,7 +98,7 @@ class CheckpointWithoutOutput:
             )
         self.run_function = run_function
         self._state = ForwardState.capture()
-        outputs = _CheckpointWithoutOutputFunction.apply(run_function, self, *args)
+        outputs = CheckpointWithoutOutputFunction.apply(run_function, self, *args)
         self.outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         return outputs
 
@@ -125,18 +137,18 @@ class CheckpointWithoutOutput:
     def _recompute(self, _grad: torch.Tensor | None) -> None:
         """Gradient hook: recompute the region (rule 2) and refill the released outputs."""
         ctx = self.ctx
-        if ctx is None or ctx.recomputed is not None:
+        if ctx is None or ctx.outputs is not None:
             return  # already done (a second hook call, or the backward got there first)
         if not torch.autograd._is_checkpoint_valid():
             raise MegatronCoreError(
                 "CheckpointWithoutOutput does not support torch.autograd.grad: call .backward()"
             )
-        saved = iter(ctx.saved_tensors)
+        saved = iter(zip(ctx.saved_tensors, ctx.inputs_require_grad))
         inputs = []
         for is_tensor, value in zip(ctx.is_tensor, ctx.non_tensors):
             if is_tensor:
-                value = next(saved)
-                value = value.detach().requires_grad_(value.requires_grad)
+                value, requires_grad = next(saved)
+                value = value.detach().requires_grad_(requires_grad)
             inputs.append(value)
         with self._state.replayed(), torch.enable_grad():
             outputs = self.run_function(*inputs)
@@ -146,5 +158,5 @@ class CheckpointWithoutOutput:
                 if torch.is_tensor(old) and nbytes:
                     old.untyped_storage().resize_(nbytes)
                     old.data.copy_(new)  # .data: a fresh version counter, autograd sees no change
-        ctx.recomputed = (inputs, outputs)
+        ctx.inputs, ctx.outputs = inputs, outputs
         self.ctx = self.outputs = self.run_function = self._state = None

@@ -86,12 +86,16 @@ from megatron_core.tensor_parallel.checkpoint_stacks import (
     checkpoint_layer_stack,
     checkpoint_sequential,
 )
-from megatron_core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
+from megatron_core.tensor_parallel.checkpoint_without_output import (
+    CheckpointWithoutOutput,
+    CheckpointWithoutOutputFunction,
+)
 
 __all__ = [
     "checkpoint",
     "CheckpointFunction",
     "CheckpointWithoutOutput",
+    "CheckpointWithoutOutputFunction",
     "Distribute",
     "RecomputeMethod",
     "checkpoint_layer_stack",

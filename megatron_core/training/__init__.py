@@ -12,8 +12,10 @@ from megatron_core.training.arguments import (
     validate_args,
 )
 from megatron_core.training.checkpoint import (
+    MANIFEST_FILENAME,
     TRACKER_FILENAME,
-    checkpoint_files,
+    LoadedCheckpoint,
+    checkpoint_layout,
     load_checkpoint,
     save_checkpoint,
 )
@@ -30,6 +32,7 @@ from megatron_core.training.loop import (
     learning_rate,
     model_config,
     padded_vocab_size,
+    schedule_changes,
     train,
     train_step,
 )
@@ -43,9 +46,11 @@ __all__ = [
     "data_parallel_size",
     # checkpoint.py
     "TRACKER_FILENAME",
+    "MANIFEST_FILENAME",
+    "LoadedCheckpoint",
+    "checkpoint_layout",
     "save_checkpoint",
     "load_checkpoint",
-    "checkpoint_files",
     # data.py
     "DEFAULT_CORPUS_DESCRIPTION",
     "VOCAB_SIZE",
@@ -59,6 +64,7 @@ __all__ = [
     "build_model_and_optimizer",
     "learning_rate",
     "train_step",
+    "schedule_changes",
     "train",
     # progress.py
     "Progress",

@@ -1,234 +1,316 @@
-"""Save and load training checkpoints: model shards, optimizer state and every rank's RNG state.
+"""Save and load training checkpoints with torch.distributed.checkpoint (DCP), at any layout.
 
-Layout of ``--save DIR`` (megatron's names for the directory and the tracker file)::
+Layout of ``--save DIR`` (megatron's names for the iteration directories and the tracker)::
 
-    DIR/latest_checkpointed_iteration.txt     the iteration of the newest complete checkpoint
-    DIR/iter_0000100/mp_rank_00_000.pt        TP rank 00, PP rank 000: model shard + optimizer
-    DIR/iter_0000100/rng_rank_00001.pt        global rank 1: its RNG state dict
+    DIR/latest_checkpointed_iteration.txt   the iteration of the newest complete checkpoint
+    DIR/iter_0000100/.metadata              DCP: every tensor's global shape and saved chunks
+    DIR/iter_0000100/__0_0.distcp ...       DCP: the chunks, one file per writing rank
+    DIR/iter_0000100/manifest.json          iteration, layout, args, RNG info, file checksums
 
-# NOTE [ Checkpoint files ]
-1. Who writes what. Data-parallel rank 0 of each (TP, PP) position writes the model shard and
-   optimizer state (the DP replicas hold the same values); every rank writes its own RNG state
-   (``tensor_parallel.get_rng_state_dict``: python, CPU, device and tracker streams), so a
-   resumed run draws exactly what the uninterrupted run would have drawn.
-2. Atomic. Each file is written to a temporary name and renamed; the tracker file is written by
-   rank 0 last, only after every rank reported its files written. A crash mid-save leaves the
-   previous checkpoint as the latest one.
-3. Load validates before it touches anything. Every rank reads the tracker, reads its files and
-   checks version, iteration, parallel layout (tp/pp/dp sizes and ranks, world size), parameter
-   names and shapes, and optimizer structure. Then all ranks exchange their error messages (one
-   all-gather) and either every rank loads or every rank raises the same error, naming the
-   failing ranks: no rank hangs, no rank is half-loaded.
+What is saved, under which names and cut how: NOTE [ Checkpoint keys ] in checkpoint_state.py.
+
+# NOTE [ Checkpoint safety ]
+1. Never visible half-written. A save writes into the hidden ``DIR/.iter_<N>.partial`` (stale
+   ones from killed saves are removed first); DCP fsyncs every file; then rank 0 writes
+   manifest.json with every file's size and SHA-256, fsyncs, renames the directory to
+   ``iter_<N>`` (an older ``iter_<N>``, of any layout, is swapped out whole, never mixed with),
+   fsyncs DIR, and only then replaces the tracker file (write, fsync, rename). A save killed at
+   any point leaves the previous checkpoint as the latest, loadable one.
+2. Never loaded damaged. Load reads the tracker and the manifest, checks every file's size on
+   every rank and its SHA-256 on one rank each (files dealt round-robin), then reads DCP's
+   metadata with an unpickler that allows only DCP's metadata classes, and checks that every
+   tensor this run needs is there with the same global shape. Only then are the tensors read,
+   into fresh buffers, and copied into the parameters, optimizer and RNGs.
+3. Every rank fails alike. Each step's errors are exchanged (``checkpoint_io.agree``) before the
+   next collective: every rank raises the same MegatronCoreError naming the file or tensor,
+   and nothing has been modified.
+4. Resharding. Tensors are stored by global name and cut (DCP chunks), so a checkpoint saved at
+   TP=a x DP=b loads at TP=c x DP=d, sequence parallelism on or off. Per-rank RNG states are
+   restored only at the same layout and device type; otherwise the caller re-derives them
+   (``LoadedCheckpoint.rng_restored`` is False).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.rng_state import get_rng_state_dict, set_rng_state_dict
+from megatron_core.training import checkpoint_load as load
+from megatron_core.training import checkpoint_state as state
+from megatron_core.training.checkpoint_io import (
+    FORMAT,
+    MANIFEST_FILENAME,
+    TRACKER_FILENAME,
+    VERSION,
+    SafeFileSystemReader,
+    ShardLoadPlanner,
+    ShardSavePlanner,
+    agree,
+    all_gather_text,
+    checkpoint_layout,
+    fsync_path,
+    read_metadata,
+    sha256_of,
+)
 
-__all__ = ["TRACKER_FILENAME", "save_checkpoint", "load_checkpoint", "checkpoint_files"]
+__all__ = [
+    "TRACKER_FILENAME",
+    "MANIFEST_FILENAME",
+    "LoadedCheckpoint",
+    "checkpoint_layout",
+    "save_checkpoint",
+    "load_checkpoint",
+]
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-_VERSION = 1
-_MESSAGE_BYTES = 1024
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` found.
+
+    Attributes:
+        iteration: iterations completed when it was saved.
+        args: the saving run's arguments (plain values).
+        layout: its parallel layout (``checkpoint_layout()`` of the saving run).
+        rng_restored: True if every rank's RNG state was restored (same layout and device).
+    """
+
+    iteration: int
+    args: dict[str, Any]
+    layout: dict[str, Any]
+    rng_restored: bool
 
 
-def _layout() -> dict[str, int]:
-    return {
-        "world_size": dist.get_world_size(),
-        "global_rank": dist.get_rank(),
-        "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
-        "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
-        "dp_size": parallel_state.get_data_parallel_world_size(),
-        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-        "dp_rank": parallel_state.get_data_parallel_rank(),
+def _iteration_dir(root: Path, iteration: int) -> Path:
+    return root / f"iter_{iteration:07d}"
+
+
+def _error_text(exc: BaseException) -> str:
+    if isinstance(exc, CheckpointException):  # DCP: {rank: (exception, traceback)}
+        failures = exc.failures
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {_error_text(inner)}")
+        return "; ".join(parts)
+    if isinstance(exc, MegatronCoreError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _guard(step: Callable[[], Any], what: str) -> Any:
+    """Run ``step``; agree on its error across ranks (NOTE [ Checkpoint safety ], rule 3)."""
+    result, error = None, None
+    try:
+        result = step()
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        error = _error_text(exc)
+    agree(error, what)
+    return result
+
+
+# --- save ----------------------------------------------------------------------------------
+
+
+def _prepare_directory(partial: Path) -> None:
+    if dist.get_rank() == 0:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        for stale in (
+            *partial.parent.glob(".iter_*.partial"),
+            *partial.parent.glob(".iter_*.replaced"),
+        ):
+            shutil.rmtree(stale)  # a killed save's leftovers (one job per directory)
+        partial.mkdir()
+
+
+def _write_manifest(partial: Path, manifest: dict[str, Any], files: dict[str, Any]) -> None:
+    files[".metadata"] = {
+        "bytes": (partial / ".metadata").stat().st_size,
+        "sha256": sha256_of(partial / ".metadata"),
     }
+    manifest["files"] = dict(sorted(files.items()))
+    path = partial / MANIFEST_FILENAME
+    with open(path, "w") as file:
+        json.dump(manifest, file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+    fsync_path(partial)
 
 
-def checkpoint_files(root: str | os.PathLike, iteration: int) -> tuple[Path, Path]:
-    """(model/optimizer file, RNG file) of this rank for ``iteration`` under ``root``."""
-    layout = _layout()
-    directory = Path(root) / f"iter_{iteration:07d}"
-    model_file = directory / f"mp_rank_{layout['tp_rank']:02d}_{layout['pp_rank']:03d}.pt"
-    return model_file, directory / f"rng_rank_{layout['global_rank']:05d}.pt"
-
-
-def _agree(message: str | None, what: str) -> None:
-    """Share every rank's error message (one all-reduce); raise on all ranks if any failed."""
-    encoded = (message or "").encode()[:_MESSAGE_BYTES]
-    rows = torch.zeros(
-        dist.get_world_size(), _MESSAGE_BYTES, dtype=torch.int32, device=device.current_device()
-    )
-    if encoded:  # each rank fills its own row: the sum over ranks is the gather of the rows
-        rows[dist.get_rank(), : len(encoded)] = torch.tensor(list(encoded), dtype=torch.int32)
-    dist.all_reduce(rows)
-    texts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows.cpu().tolist()]
-    errors = {rank: text for rank, text in enumerate(texts) if text}
-    if errors:
-        lines = "\n".join(f"  rank {r}: {text}" for r, text in sorted(errors.items()))
-        raise MegatronCoreError(f"{what} failed on rank(s) {sorted(errors)}:\n{lines}")
-
-
-def _write(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)  # See NOTE [ Checkpoint files ], rule 2
+def _publish(root: Path, partial: Path, final: Path, iteration: int) -> None:
+    """Rank 0: the renames of NOTE [ Checkpoint safety ], rule 1."""
+    replaced = root / f".{final.name}.replaced"
+    if final.exists():
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        os.replace(final, replaced)
+    os.replace(partial, final)
+    fsync_path(root)
+    tracker_tmp = root / f".{TRACKER_FILENAME}.tmp"
+    with open(tracker_tmp, "w") as file:
+        file.write(f"{iteration}\n")
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tracker_tmp, root / TRACKER_FILENAME)
+    fsync_path(root)
+    if replaced.exists():
+        shutil.rmtree(replaced)
 
 
 def save_checkpoint(root, iteration: int, model, optimizer, args: dict[str, Any]) -> Path:
-    """Write this rank's part of the checkpoint of ``iteration``; call on every rank.
+    """Save ``iteration``'s model, optimizer and RNG state under ``root``; call on every rank.
+
+    Tensors go through DCP: each distinct shard is written once (NOTE [ Checkpoint keys ] in
+    checkpoint_state.py); the directory becomes visible atomically (NOTE [ Checkpoint safety ]).
 
     Args:
         root: the --save directory.
         iteration: iterations completed.
-        model: the model (this rank's shard).
-        optimizer: its optimizer.
-        args: the run's arguments (plain values), stored for reference.
+        model: this rank's model (its tensor-parallel shards; layer keys made global with
+            ``model.layer_offset`` if set).
+        optimizer: its optimizer (torch.optim, or a wrapper with the hooks of NOTE
+            [ Checkpoint keys ], rule 4).
+        args: the run's arguments (JSON-able values), stored in the manifest.
 
     Returns:
         The iteration directory.
 
     Raises:
-        MegatronCoreError: on every rank, if any rank could not write its files.
-    """
-    model_file, rng_file = checkpoint_files(root, iteration)
-    layout = _layout()
-    header = {"version": _VERSION, "iteration": iteration, "layout": layout}
-    error = None
-    try:
-        if layout["dp_rank"] == 0:  # See NOTE [ Checkpoint files ], rule 1
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-            _write({**header, **state, "args": args}, model_file)
-        _write({**header, "rng": get_rng_state_dict()}, rng_file)
-    except Exception as exc:  # reported to every rank by _agree
-        error = f"writing {model_file.parent}: {type(exc).__name__}: {exc}"
-    _agree(error, f"saving checkpoint {model_file.parent}")
-    if dist.get_rank() == 0:
-        try:
-            tmp = Path(root) / f".{TRACKER_FILENAME}.tmp"
-            tmp.write_text(f"{iteration}\n")
-            os.replace(tmp, Path(root) / TRACKER_FILENAME)
-        except OSError as exc:
-            error = f"writing {TRACKER_FILENAME}: {exc}"
-    _agree(error, f"saving checkpoint {model_file.parent}")
-    return model_file.parent
-
-
-def _read_iteration(root: Path) -> int:
-    tracker = root / TRACKER_FILENAME
-    if not tracker.is_file():
-        raise MegatronCoreError(f"no checkpoint in {root}: {tracker} does not exist")
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise MegatronCoreError(f"{tracker} holds {text!r}, not an iteration number")
-    return int(text)
-
-
-def _read(path: Path, iteration: int) -> dict[str, Any]:
-    if not path.is_file():
-        raise MegatronCoreError(f"{path} is missing")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise MegatronCoreError(f"{path} is unreadable ({type(exc).__name__}: {exc})") from None
-    if not isinstance(state, dict) or state.get("version") != _VERSION:
-        raise MegatronCoreError(f"{path} is not a version-{_VERSION} megatron_core checkpoint")
-    if state.get("iteration") != iteration:
-        raise MegatronCoreError(f"{path} is of iteration {state.get('iteration')}, not {iteration}")
-    return state
-
-
-def _check_layout(path: Path, saved: dict[str, int], keys: tuple[str, ...]) -> None:
-    now = _layout()
-    names = {
-        "tp_size": "tensor_model_parallel_size",
-        "pp_size": "pipeline_model_parallel_size",
-        "dp_size": "data_parallel_size",
-    }
-    wrong = [
-        f"{names.get(k, k)} {saved.get(k)} (this run: {now[k]})"
-        for k in keys
-        if saved.get(k) != now[k]
-    ]
-    if wrong:
-        raise MegatronCoreError(f"{path} was saved with {', '.join(wrong)}")
-
-
-def _check_model(path: Path, saved: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
-    own = model.state_dict()
-    if set(saved) != set(own):
-        missing, extra = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
-        raise MegatronCoreError(f"{path}: parameters missing {missing}, unexpected {extra}")
-    for name, tensor in own.items():
-        if not torch.is_tensor(tensor):  # e.g. a layer's _extra_state (None, as in megatron-core)
-            continue
-        if saved[name].shape != tensor.shape or saved[name].dtype != tensor.dtype:
-            raise MegatronCoreError(
-                f"{path}: {name} is {saved[name].dtype} {list(saved[name].shape)}, the model "
-                f"has {tensor.dtype} {list(tensor.shape)} (another model configuration?)"
-            )
-
-
-def _check_optimizer(path: Path, saved: dict[str, Any], optimizer) -> None:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    sizes = [len(g["params"]) for g in saved.get("param_groups", [])]
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
-        raise MegatronCoreError(f"{path}: optimizer parameter groups {sizes} do not match")
-    for index, state in saved.get("state", {}).items():
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() and value.shape != params[index].shape:
-                raise MegatronCoreError(
-                    f"{path}: optimizer state {key!r} of parameter {index} has shape "
-                    f"{list(value.shape)}, the parameter {list(params[index].shape)}"
-                )
-
-
-def _read_and_check(root: Path, model, optimizer):
-    iteration = _read_iteration(root)
-    model_file, rng_file = checkpoint_files(root, iteration)
-    state = _read(model_file, iteration)
-    _check_layout(model_file, state["layout"], ("tp_size", "pp_size", "tp_rank", "pp_rank"))
-    _check_model(model_file, state["model"], model)
-    _check_optimizer(model_file, state["optimizer"], optimizer)
-    rng = _read(rng_file, iteration)
-    _check_layout(rng_file, rng["layout"], tuple(_layout()))
-    return iteration, state, rng
-
-
-def load_checkpoint(root, model, optimizer) -> tuple[int, dict[str, Any]]:
-    """Load the latest checkpoint under ``root`` into ``model``, ``optimizer`` and the RNGs.
-
-    Call on every rank. See NOTE [ Checkpoint files ], rule 3: everything is validated on every
-    rank first, and nothing is loaded unless every rank's checks passed.
-
-    Returns:
-        (iteration, the saved args).
-
-    Raises:
-        MegatronCoreError: on every rank, naming each failing rank and why (no checkpoint, a
-            missing or corrupt file, another parallel layout or model shape).
+        MegatronCoreError: on every rank, if any rank failed (the message names the rank and
+            the OS error, e.g. "No space left on device"); no temporary files remain.
     """
     root = Path(root)
-    error, loaded = None, None
+    final = _iteration_dir(root, iteration)
+    partial = root / f".{final.name}.partial"
+    what = f"saving checkpoint {final}"
+    rank = dist.get_rank()
+
+    def collect():
+        shards = {name: shard for name, (shard, _) in state.model_entries(model).items()}
+        shards.update(state.optimizer_entries(model, optimizer))
+        rng, rng_meta = state.rng_entries(rank)
+        shards.update(rng)
+        return shards, rng_meta
+
+    shards, rng_meta = _guard(collect, what)
     try:
-        loaded = _read_and_check(root, model, optimizer)
+        _guard(lambda: _prepare_directory(partial), what)
+        _guard(lambda: _write_shards(partial, shards), what)
+        own = _guard(lambda: _own_files(partial, rank), what)
+        gathered = all_gather_text(json.dumps({"files": own, "rng": rng_meta}))
+
+        def finish():
+            if rank != 0:
+                return
+            files, rng = {}, {}
+            for r, text in enumerate(gathered):
+                part = json.loads(text)
+                files.update(part["files"])
+                rng[str(r)] = part["rng"]
+            manifest = {
+                "format": FORMAT,
+                "version": VERSION,
+                "iteration": iteration,
+                "layout": checkpoint_layout(),
+                "args": args,
+                "rng": rng,
+            }
+            _write_manifest(partial, manifest, files)
+            _publish(root, partial, final, iteration)
+
+        _guard(finish, what)
+    except MegatronCoreError:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            (root / f".{TRACKER_FILENAME}.tmp").unlink(missing_ok=True)
+        raise
+    return final
+
+
+def _write_shards(partial: Path, shards: dict[str, state.Shard]) -> None:
+    writer = FileSystemWriter(partial, single_file_per_rank=True, sync_files=True)
+    tensors = {name: shard.tensor for name, shard in shards.items()}
+    dcp.save(tensors, storage_writer=writer, planner=ShardSavePlanner(shards))
+
+
+def _own_files(partial: Path, rank: int) -> dict[str, Any]:
+    """Size and SHA-256 of the DCP files this rank wrote (``__<rank>_*.distcp``)."""
+    return {
+        path.name: {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+        for path in sorted(partial.glob(f"__{rank}_*.distcp"))
+    }
+
+
+# --- load ----------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    root, model, optimizer, check_args: Callable[[dict[str, Any]], None] | None = None
+) -> LoadedCheckpoint:
+    """Load the latest checkpoint under ``root`` into ``model``, ``optimizer`` and the RNGs.
+
+    Call on every rank. The checkpoint may come from any TP/DP layout (resharding, NOTE
+    [ Checkpoint safety ], rule 4). Everything is verified first and nothing is modified unless
+    every rank's checks passed (rules 2, 3).
+
+    Args:
+        root: the --load directory.
+        model: this rank's model, built for this run's layout.
+        optimizer: its optimizer (see NOTE [ Checkpoint keys ], rule 4).
+        check_args: called with the saving run's arguments before anything is read; raise
+            MegatronCoreError to refuse the checkpoint (an incompatible model configuration).
+
+    Returns:
+        A :class:`LoadedCheckpoint`.
+
+    Raises:
+        MegatronCoreError: on every rank, naming the file or tensor: no checkpoint, a missing,
+            truncated, corrupt or unreadable file, another model configuration.
+    """
+    root = Path(root)
+    what = f"loading checkpoint from {root}"
+
+    def find():
+        iteration = load.read_iteration(root)
+        directory = _iteration_dir(root, iteration)
+        manifest = load.read_manifest(directory, iteration)
+        if check_args is not None:
+            check_args(manifest.get("args", {}))
+        load.verify_files(directory, manifest)
+        return directory, manifest
+
+    directory, manifest = _guard(find, what)
+
+    def plan_load():
+        metadata = read_metadata(directory / ".metadata")
+        return load.plan_load(model, optimizer, metadata, manifest)
+
+    plan, later, rng_keys = _guard(plan_load, what)
+
+    def read():
+        tensors = {name: shard.tensor for name, shard in plan.items()}
+        dcp.load(
+            tensors, storage_reader=SafeFileSystemReader(directory), planner=ShardLoadPlanner(plan)
+        )
+
+    _guard(read, what)
+    try:  # no collective from here on: an error is the same on every rank
+        rng_restored = load.apply_loaded(plan, later, rng_keys, optimizer, manifest)
     except MegatronCoreError as exc:
-        error = str(exc)
-    except Exception as exc:  # e.g. a malformed file: still reported to every rank
-        error = f"{type(exc).__name__}: {exc}"
-    _agree(error, f"loading checkpoint from {root}")
-    iteration, state, rng = loaded
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    set_rng_state_dict(rng["rng"])
-    return iteration, state.get("args", {})
+        raise MegatronCoreError(f"{what} failed: {exc}") from None
+    return LoadedCheckpoint(
+        iteration=manifest["iteration"],
+        args=manifest.get("args", {}),
+        layout=manifest["layout"],
+        rng_restored=rng_restored,
+    )

@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 
 from megatron_core.errors import MegatronCoreError
@@ -106,6 +107,7 @@ def _run_rank(prog: str, main: Callable[[], int], debug: bool) -> None:
     """Run ``main`` as one rank and exit the process with NOTE [ Clean exits ]' rules."""
     signals = _Signals()
     _watch_parent(prog)
+    warnings.formatwarning = lambda message, *_, **__: f"{prog}: warning: {message}\n"
     rank = _global_rank()
     try:
         status = main()

@@ -13,6 +13,7 @@ import math
 import os
 import random
 import tempfile
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,7 +27,7 @@ from megatron_core.tensor_parallel.layers import param_is_not_tensor_parallel_du
 from megatron_core.tensor_parallel.memory import count_saved_activations
 from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_core.training.arguments import validate_args
-from megatron_core.training.checkpoint import load_checkpoint, save_checkpoint
+from megatron_core.training.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from megatron_core.training.data import VOCAB_SIZE, ByteCorpus, get_batch
 from megatron_core.training.launcher import RENDEZVOUS_ENV
 from megatron_core.training.mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
@@ -48,6 +49,7 @@ __all__ = [
     "build_model_and_optimizer",
     "learning_rate",
     "train_step",
+    "schedule_changes",
     "train",
 ]
 
@@ -180,9 +182,10 @@ def build_model_and_optimizer(args: argparse.Namespace, config: TransformerConfi
         VOCAB_SIZE, args.make_vocab_size_divisible_by, config.tensor_model_parallel_size
     )
     if config.pipeline_model_parallel_size > 1:
-        model = build_pipeline_model(config, vocab, args.seq_length)
+        model = build_pipeline_model(config, vocab, args.seq_length, true_vocab_size=VOCAB_SIZE)
     else:
-        model = GPTModel(config, vocab, args.seq_length).to(device.current_device())
+        model = GPTModel(config, vocab, args.seq_length, true_vocab_size=VOCAB_SIZE)
+        model = model.to(device.current_device())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -299,12 +302,80 @@ def _describe(args, corpus: ByteCorpus, config: TransformerConfig, num_parameter
     )
 
 
+# Flags whose change at --load alters training from the checkpoint on (warned), and flags that
+# must match for the checkpoint's tensors to mean anything (refused).
+_SCHEDULE_FLAGS = (
+    "train_iters",
+    "lr",
+    "min_lr",
+    "lr_warmup_iters",
+    "global_batch_size",
+    "seed",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "clip_grad",
+)
+_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_model_args(args):
+    def check(saved: dict) -> None:
+        wrong = [
+            f"{_flag(k)} {saved[k]} (this run: {getattr(args, k)})"
+            for k in _MODEL_FLAGS
+            if k in saved and saved[k] != getattr(args, k)
+        ]
+        if wrong:
+            raise MegatronCoreError(f"the checkpoint was trained with {', '.join(wrong)}")
+
+    return check
+
+
+def schedule_changes(saved: dict, args: argparse.Namespace) -> list[str]:
+    """One line per schedule flag whose value differs from the checkpoint's run."""
+    return [
+        f"{_flag(k)} is {getattr(args, k)}, the checkpoint was trained with {saved[k]}: "
+        "training from the checkpoint on differs from the uninterrupted run"
+        for k in _SCHEDULE_FLAGS
+        if k in saved and saved[k] != getattr(args, k)
+    ]
+
+
 def _save(args, iteration, model, optimizer, progress) -> None:
     plain = {
         k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))
     }
     path = save_checkpoint(args.save, iteration, model, optimizer, plain)
     progress.print(f"saved checkpoint {path}")
+
+
+def _resume(args, model, optimizer) -> tuple[int, list[str]]:
+    """Load --load; returns (iteration, lines to print). See NOTE [ Checkpoint safety ], rule 4
+    in checkpoint.py: at another layout the RNG streams restart from (seed + iteration)."""
+    loaded: LoadedCheckpoint = load_checkpoint(
+        args.load, model, optimizer, check_args=_check_model_args(args)
+    )
+    start, saved = loaded.iteration, loaded.layout
+    lines = [f"resumed from {args.load} at iteration {start}"]
+    if not loaded.rng_restored:
+        seed = args.seed + start
+        random.seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        if args.pipeline_model_parallel_size > 1:
+            reseed_stage(seed)
+        lines[0] += (
+            f" (saved at tp={saved['tp_size']} pp={saved['pp_size']} dp={saved['dp_size']} on "
+            f"{saved['device_type']}, resharded; RNG streams re-derived from --seed + {start})"
+        )
+    if dist.get_rank() == 0:
+        for line in schedule_changes(loaded.args, args):
+            warnings.warn(line, UserWarning, stacklevel=2)
+    return start, lines
 
 
 def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
@@ -314,16 +385,16 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
     if args.pipeline_model_parallel_size > 1:
         reseed_stage(args.seed)
     num_parameters = _count_parameters(model)
-    start = 0
+    start, resume_lines = 0, []
     if args.load:
-        start, _ = load_checkpoint(args.load, model, optimizer)
+        start, resume_lines = _resume(args, model, optimizer)
     tokens_per_iteration = args.global_batch_size * args.seq_length
     progress = Progress(
         dist.get_rank() == 0, args.train_iters, args.log_interval, tokens_per_iteration
     )
     progress.print(_describe(args, corpus, config, num_parameters))
-    if start:
-        progress.print(f"resumed from {args.load} at iteration {start}")
+    for line in resume_lines:
+        progress.print(line)
     losses, end = {}, start
     for step in range(start, args.train_iters):
         loss, activation_bytes = train_step(model, optimizer, corpus, args, step)

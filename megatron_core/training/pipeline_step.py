@@ -96,9 +96,11 @@ def _global_key(key: str, offset: int) -> str:
     return f"{prefix}{int(index) + offset}.{rest}"
 
 
-def build_pipeline_model(config: TransformerConfig, vocab_size: int, seq_length: int):
+def build_pipeline_model(
+    config: TransformerConfig, vocab_size: int, seq_length: int, true_vocab_size: int | None = None
+):
     """This stage's chunks, with the weights the pp = 1 model gets (NOTE [ Same model at every
-    pp ], rule 1), on the current device.
+    pp ], rule 1), on the current device. ``true_vocab_size``: see GPTModel.
 
     Returns:
         the GPTModel chunk (no interleaving), or a ModuleList of vp chunks (vp_stage 0, 1, ...).
@@ -106,7 +108,7 @@ def build_pipeline_model(config: TransformerConfig, vocab_size: int, seq_length:
     whole = dataclasses.replace(
         config, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None
     )
-    state = GPTModel(whole, vocab_size, seq_length).state_dict()
+    state = GPTModel(whole, vocab_size, seq_length, true_vocab_size=true_vocab_size).state_dict()
     vp = config.virtual_pipeline_model_parallel_size
     bare = dataclasses.replace(config, perform_initialization=False)
     chunks = []
@@ -117,7 +119,9 @@ def build_pipeline_model(config: TransformerConfig, vocab_size: int, seq_length:
             last = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and stage == (
                 (vp or 1) - 1
             )
-            chunk = GPTModel(bare, vocab_size, seq_length, first, last, vp_stage)
+            chunk = GPTModel(
+                bare, vocab_size, seq_length, first, last, vp_stage, true_vocab_size=true_vocab_size
+            )
             chunk.load_state_dict(
                 {key: state[_global_key(key, chunk.layer_offset)] for key in chunk.state_dict()}
             )

@@ -61,6 +61,11 @@ class GPTModel(torch.nn.Module):
         pre_process: this chunk holds the embeddings (megatron: first pipeline stage).
         post_process: this chunk holds the output layer and loss (last stage).
         vp_stage: the chunk's virtual pipeline stage under interleaving, else None.
+        true_vocab_size: the vocabulary before padding (None: ``vocab_size``, megatron's
+            behaviour). When smaller, the logits of the padding ids are -inf (the loss and the
+            returned logits no longer depend on how much padding the TP size needed), and
+            checkpoints store only the true rows of the embedding (the weight carries
+            ``unpadded_partition_size``, read by megatron_core.training.checkpoint).
     """
 
     def __init__(
@@ -71,8 +76,15 @@ class GPTModel(torch.nn.Module):
         pre_process: bool = True,
         post_process: bool = True,
         vp_stage: int | None = None,
+        true_vocab_size: int | None = None,
     ):
         super().__init__()
+        if true_vocab_size is not None and not 0 < true_vocab_size <= vocab_size:
+            raise MegatronCoreError(
+                f"GPTModel: true_vocab_size ({true_vocab_size}) must be in [1, vocab_size "
+                f"({vocab_size})]"
+            )
+        self.true_vocab_size = vocab_size if true_vocab_size is None else true_vocab_size
         self.config = config
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -98,6 +110,8 @@ class GPTModel(torch.nn.Module):
             self.position_embeddings.weight.sequence_parallel = config.sequence_parallel
         self.decoder = TransformerBlock(config, pre_process, post_process, vp_stage)
         self.layer_offset = self.decoder.layer_offset
+        if (pre_process or post_process) and self.true_vocab_size < vocab_size:
+            self.embedding.weight.unpadded_partition_size = self.true_vocab_size
         self._tie_across_stages()
 
     def _tie_across_stages(self) -> None:
@@ -173,6 +187,15 @@ class GPTModel(torch.nn.Module):
                 f"{tuple(input_ids.shape)}"
             )
 
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """-inf at the ids >= true_vocab_size in this rank's vocabulary columns [.., V/tp]."""
+        if self.true_vocab_size == self.vocab_size:
+            return logits
+        part = logits.shape[-1]
+        first = parallel_state.get_tensor_model_parallel_rank() * part
+        ids = torch.arange(first, first + part, device=logits.device)
+        return logits.masked_fill(ids >= self.true_vocab_size, float("-inf"))
+
     def forward(
         self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -205,6 +228,7 @@ class GPTModel(torch.nn.Module):
             sequence_parallel=sequence_parallel,
             tp_group=self.embedding.tp_group,
         )  # [s, b, V/tp]
+        logits = self._mask_padding(logits)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1))

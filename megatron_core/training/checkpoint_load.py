@@ -1,0 +1,209 @@
+"""Loading half of training checkpoints: find, verify, plan and apply (NOTE [ Checkpoint safety ]
+in checkpoint.py, rules 2-4). ``checkpoint.load_checkpoint`` runs these steps, agreeing on each
+step's errors across ranks before the next.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megatron_core import parallel_state
+from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.rng_state import set_rng_state_dict
+from megatron_core.training import checkpoint_state as state
+from megatron_core.training.checkpoint_io import (
+    FORMAT,
+    MANIFEST_FILENAME,
+    TRACKER_FILENAME,
+    VERSION,
+    checkpoint_layout,
+    sha256_of,
+)
+
+__all__ = ["read_iteration", "read_manifest", "verify_files", "plan_load", "apply_loaded"]
+
+
+def read_iteration(root: Path) -> int:
+    tracker = root / TRACKER_FILENAME
+    if not tracker.is_file():
+        raise MegatronCoreError(f"no checkpoint in {root}: {tracker} does not exist")
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise MegatronCoreError(f"{tracker} holds {text[:40]!r}, not an iteration number")
+    return int(text)
+
+
+def read_manifest(directory: Path, iteration: int) -> dict[str, Any]:
+    path = directory / MANIFEST_FILENAME
+    if not directory.is_dir():
+        raise MegatronCoreError(
+            f"{directory} is missing (the tracker file names iteration {iteration})"
+        )
+    if not path.is_file():
+        raise MegatronCoreError(f"{path} is missing: not a complete megatron_core checkpoint")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise MegatronCoreError(f"{path} is unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise MegatronCoreError(f"{path} is not a megatron_core checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise MegatronCoreError(
+            f"{path} is version {manifest.get('version')!r}; this megatron_core reads "
+            f"version {VERSION}"
+        )
+    if manifest.get("iteration") != iteration:
+        raise MegatronCoreError(
+            f"{path} is of iteration {manifest.get('iteration')}, the tracker says {iteration}"
+        )
+    return manifest
+
+
+def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
+    """NOTE [ Checkpoint safety ], rule 2: sizes everywhere, checksums dealt round-robin."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for index, (name, expected) in enumerate(sorted(manifest["files"].items())):
+        path = directory / name
+        if not path.is_file():
+            raise MegatronCoreError(f"{path} is missing")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise MegatronCoreError(
+                f"{path} is {size} bytes, the manifest says {expected['bytes']} (truncated or "
+                "overwritten)"
+            )
+        if index % world == rank and sha256_of(path) != expected["sha256"]:
+            raise MegatronCoreError(f"{path} is corrupt: its SHA-256 does not match the manifest")
+
+
+def _buffer_for(shard: state.Shard, target: torch.Tensor) -> state.Shard:
+    return state.Shard(
+        torch.zeros_like(shard.tensor), shard.global_shape, shard.offsets, target=target
+    )
+
+
+def _optimizer_targets(model, optimizer, metadata, plan: dict[str, state.Shard], later: list):
+    """Buffers for the optimizer's tensors; ``later`` gets (name, optimizer_param, key, full
+    tensor) to install once loaded."""
+    saved = metadata.state_dict_metadata
+    for name, model_param, optimizer_param in state.optimizer_pairs(model, optimizer):
+        if optimizer_param is not model_param:
+            master = f"optimizer.master.{name}"
+            shard = state.cut(model_param, optimizer_param.detach())
+            if master in saved and not shard.empty:
+                plan[master] = _buffer_for(shard, shard.tensor)
+            elif master not in saved:
+                later.append(("master-from-model", optimizer_param, model_param, None))
+        prefix = f"optimizer.{name}."
+        for key in sorted(k for k in saved if k.startswith(prefix)):
+            stored = saved[key]
+            if not isinstance(stored, TensorStorageMetadata):
+                raise MegatronCoreError(f"checkpoint entry {key!r} is not a tensor")
+            dtype = stored.properties.dtype
+            like = torch.zeros(model_param.shape, dtype=dtype, device=optimizer_param.device)
+            shard = state.cut(model_param, like)
+            if tuple(stored.size) != shard.global_shape:
+                like = torch.zeros(stored.size, dtype=dtype)  # replicated (a step count)
+                shard = state.Shard(like, tuple(stored.size), (0,) * len(stored.size))
+            if not shard.empty:  # else all padding: zeros
+                plan[key] = _buffer_for(shard, shard.tensor)
+            later.append(("state", optimizer_param, key[len(prefix) :], like))
+    extra = sorted(k for k in saved if k.startswith("optimizer.extra."))
+    for key in extra:
+        stored = saved[key]
+        like = torch.zeros(stored.size, dtype=stored.properties.dtype)
+        plan[key] = state.Shard(like, tuple(stored.size), (0,) * len(stored.size), target=like)
+    if extra and getattr(optimizer, "load_checkpoint_extra_state", None) is None:
+        raise MegatronCoreError(
+            f"the checkpoint holds optimizer state {extra} that this optimizer has no "
+            "load_checkpoint_extra_state() for"
+        )
+
+
+def plan_load(model, optimizer, metadata, manifest: dict[str, Any]):
+    """Buffers for everything this rank loads, checked against the metadata (rule 2)."""
+    plan: dict[str, state.Shard] = {}
+    for name, (shard, _) in state.model_entries(model).items():
+        plan[name] = _buffer_for(shard, shard.tensor)
+    later: list = []
+    _optimizer_targets(model, optimizer, metadata, plan, later)
+    saved = metadata.state_dict_metadata
+    same_layout = manifest["layout"] == checkpoint_layout()
+    rng_keys = []
+    if same_layout:
+        prefix = f"rng.{dist.get_rank()}."
+        for key in sorted(k for k in saved if k.startswith(prefix)):
+            stored = saved[key]
+            like = torch.zeros(stored.size, dtype=stored.properties.dtype)
+            plan[key] = state.Shard(like, tuple(stored.size), (0,) * len(stored.size), target=like)
+            rng_keys.append(key)
+    for name, shard in plan.items():
+        stored = saved.get(name)
+        if stored is None:
+            raise MegatronCoreError(
+                f"the checkpoint has no {name!r} (saved by another model configuration?)"
+            )
+        if tuple(stored.size) != shard.global_shape:
+            raise MegatronCoreError(
+                f"{name} is {list(stored.size)} in the checkpoint, {list(shard.global_shape)} "
+                "in this model (another model configuration?)"
+            )
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        ours = state.model_names(model)
+        extra = sorted(k for k in saved if k.startswith("model.") and k not in ours)
+        if extra:
+            raise MegatronCoreError(
+                f"the checkpoint has model tensors this model lacks: {extra[:3]} (another model "
+                "configuration?)"
+            )
+    return plan, later, rng_keys
+
+
+def apply_loaded(plan, later, rng_keys, optimizer, manifest) -> bool:
+    """Copy the loaded buffers into the live tensors; returns whether the RNGs were restored.
+
+    The optimizer's ``load_checkpoint_extra_state`` runs first (with {} when the checkpoint has
+    no extra state), so that an optimizer refusing the checkpoint (a loss scaler saved, none
+    now) raises before anything else is modified; it is the same on every rank.
+    """
+    extra = {
+        key[len("optimizer.extra.") :]: shard.tensor
+        for key, shard in plan.items()
+        if key.startswith("optimizer.extra.")
+    }
+    hook = getattr(optimizer, "load_checkpoint_extra_state", None)
+    if hook is not None:
+        hook(extra)
+    with torch.no_grad():
+        for shard in plan.values():
+            if shard.target is not None and shard.target is not shard.tensor:
+                shard.target.copy_(shard.tensor)
+        inner_state = getattr(optimizer, "optimizer", optimizer).state
+        for kind, optimizer_param, key, value in later:
+            if kind == "master-from-model":
+                optimizer_param.copy_(key)
+            else:
+                inner_state.setdefault(optimizer_param, {})[key] = value
+    if not rng_keys:
+        return False
+    meta = manifest["rng"][str(dist.get_rank())]
+    prefix = f"rng.{dist.get_rank()}."
+    python = tuple(int(v) for v in plan[prefix + "python"].tensor.tolist())
+    set_rng_state_dict(
+        {
+            "version": meta["version"],
+            "layout": meta["layout"],
+            "device_type": meta["device_type"],
+            "python": (meta["python_version"], python, meta["python_gauss"]),
+            "cpu": plan[prefix + "cpu"].tensor,
+            "device": plan[prefix + "device"].tensor,
+            "tracker": {n: plan[f"{prefix}tracker.{n}"].tensor for n in meta["trackers"]},
+        }
+    )
+    return True
