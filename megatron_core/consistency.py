@@ -163,7 +163,9 @@ _KIND_NAMES = {
 def describe_group(group: dist.ProcessGroup | None) -> str:
     """A readable name: "the tensor-model-parallel group (global ranks [0, 1])"."""
     if group is None or group is dist.group.WORLD:
-        return f"the default (WORLD) group (global ranks 0..{dist.get_world_size() - 1})"
+        size = dist.get_world_size()
+        ranks = list(range(size)) if size <= 16 else f"0..{size - 1}"
+        return f"the default (WORLD) group (global ranks {ranks})"
     try:
         ranks = dist.get_process_group_ranks(group)
     except (RuntimeError, ValueError):
@@ -179,7 +181,8 @@ def describe_group(group: dist.ProcessGroup | None) -> str:
         kinds = []
     if not kinds:
         return f"the process group of global ranks {ranks}"
-    names = [_KIND_NAMES.get(kind, kind) for kind in kinds if kind in _KIND_NAMES] or kinds
+    known = [kind for kind in _KIND_NAMES if kind in kinds]  # tensor-model-parallel first
+    names = [_KIND_NAMES[kind] for kind in known] or sorted(kinds)
     return f"the {' / '.join(names[:2])} group (global ranks {ranks})"
 
 

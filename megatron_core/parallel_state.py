@@ -15,6 +15,7 @@ arguments (issue 15's hook, :func:`_check_arguments_agree`) -> create the groups
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import warnings
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from megatron_core import consistency
 from megatron_core._parallel_layout import (
     ParallelSizes,
     compute_rank_layout,
@@ -337,9 +339,19 @@ def _check_arguments_agree(arguments: dict, sizes: ParallelSizes, layout: dict) 
     Runs after validation and layout (nothing collective yet) and before the first group is
     created. A rank that disagrees would build other groups and hang the others in new_group;
     the check belongs here so it can raise on every rank instead. ``arguments`` holds the call's
-    arguments by name; ``sizes``/``layout`` what they resolved to. Does nothing yet.
+    arguments by name; ``sizes``/``layout`` what they resolved to.
+
+    One agreement over WORLD (megatron_core.consistency.agree: a 16-int64 all-gather), always
+    on: a group-cache hit in create_groups must never hide a disagreement. Callables (the
+    embedding-rank rules) are compared by name, and the resolved layout by a digest.
     """
-    del arguments, sizes, layout
+    del sizes
+    comparable = {
+        name: f"{value.__module__}.{value.__qualname__}" if callable(value) else value
+        for name, value in arguments.items()
+    }
+    digest = hashlib.blake2b(repr(sorted(layout.items())).encode(), digest_size=6).hexdigest()
+    consistency.agree("initialize_model_parallel", dist.group.WORLD, layout=digest, **comparable)
 
 
 def destroy_model_parallel() -> None:

@@ -255,7 +255,7 @@ def rng_fork_table(device_name: str, iters: int, reps: int) -> str:
     from benchmark_rng_fork import median_us
 
     device.set_device_type(device_name)
-    model_parallel_cuda_manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234, tp_rank=0)  # one process, no parallel_state
     gpus = [] if device_name == "cpu" else [device.current_device().index]
     candidates = {
         "tracker.fork()": get_cuda_rng_tracker().fork,

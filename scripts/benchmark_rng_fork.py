@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device.set_device_type(args.device)
-    model_parallel_cuda_manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234, tp_rank=0)  # one process, no parallel_state
     tracker = get_cuda_rng_tracker()
     gpus = [] if args.device == "cpu" else [device.current_device().index]
     candidates = {

@@ -360,7 +360,7 @@ def test_saved_inputs_memory_and_autograd_grad(world_size):
 @pytest.fixture
 def seeded():
     """Seeded RNG streams without parallel_state (tp rank 0); the tracker is emptied after."""
-    model_parallel_cuda_manual_seed(SEED)
+    model_parallel_cuda_manual_seed(SEED, tp_rank=0)
     yield get_rng_snapshot()
     get_cuda_rng_tracker().reset()
 

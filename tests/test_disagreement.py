@@ -199,15 +199,75 @@ def _checkpoint_backward_one_rank(tp):
         reduce_from_tensor_model_parallel_region(torch.ones(2))
 
 
+def _init_tp_fresh(tp):
+    # A timeout no other case uses: no cached group matches, as in a fresh process (where the
+    # ranks used to hang in new_group).
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1 if _last() else tp, distributed_timeout_minutes=0.1 + tp / 1e4
+    )
+
+
+def _init_tp_cached(tp):
+    for size in (tp, 1):  # both layouts' groups are now in the group cache
+        _init(size)
+        parallel_state.destroy_model_parallel()
+    _init(1 if _last() else tp)  # used to be accepted: sizes [tp, 1], then a hang
+
+
+def _seed_before_initialize(tp):
+    from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(1234)  # used to take tp_rank 0 on every rank
+
+
+def _reentrant_checkpoint_no_grad_inputs(tp):
+    import warnings
+
+    from megatron_core.tensor_parallel import checkpoint
+
+    _init(tp)
+    linear = torch.nn.Linear(3, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = checkpoint(linear, False, torch.ones(2, 3))  # no input requires grad
+    (out.sum() + linear.bias.sum()).backward()  # the loss also uses the bias directly
+    assert linear.weight.grad is None  # what the warning is about: no gradient inside
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    raise MegatronCoreError(f"warned: {messages}")  # reported like the other cases
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     body: Callable[[int], object]
     fragments: tuple[str, ...]  # the message names these (the op and the values)
     always: bool = False  # also raises outside check mode (issue 15, point 2)
     unchecked_fragments: tuple[str, ...] | None = None  # outside check mode, if they differ
+    local: bool = False  # raised (or warned) by each rank alone: no group to name
 
 
 CASES = {
+    "init_tp_fresh": Case(
+        _init_tp_fresh,
+        ("initialize_model_parallel", "tensor_model_parallel_size", "= 1", "WORLD"),
+        always=True,
+    ),
+    "init_tp_cached": Case(
+        _init_tp_cached,
+        ("initialize_model_parallel", "tensor_model_parallel_size", "= 1", "WORLD"),
+        always=True,
+    ),
+    "seed_before_initialize": Case(
+        _seed_before_initialize,
+        ("model_parallel_cuda_manual_seed", "before initialize_model_parallel", "tp_rank="),
+        always=True,
+        local=True,
+    ),
+    "reentrant_checkpoint_no_grad_inputs": Case(
+        _reentrant_checkpoint_no_grad_inputs,
+        ("warned: ['None of the inputs have requires_grad=True. Gradients will be None",),
+        always=True,
+        local=True,
+    ),
     "reduce_4_vs_3": Case(_reduce_4_vs_3, ("all_reduce", "shape", "(4,)", "(3,)")),
     "reduce_3_vs_4": Case(_reduce_3_vs_4, ("all_reduce", "shape", "(3,)", "(4,)")),
     "reduce_f32_vs_f64": Case(_reduce_f32_vs_f64, ("all_reduce", "dtype", "torch.float64")),
@@ -295,9 +355,9 @@ def _assert_agreed_error(name: str, tp: int, check: bool) -> str:
     messages = {message for *_, message, _ in results}
     assert len(messages) == 1, f"the ranks raised different errors: {messages}"
     message = messages.pop()
-    ranks = list(range(tp))
-    assert f"global ranks {ranks}" in message, message  # the group is named
     case = CASES[name]
+    if not case.local:
+        assert f"global ranks {list(range(tp))}" in message, message  # the group is named
     fragments = case.fragments if check else (case.unchecked_fragments or case.fragments)
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in: {message}"
@@ -335,3 +395,78 @@ def _good_inputs(tp: int, check: bool):
 def test_agreeing_ranks_pass(tp, check):
     results = run_distributed(_good_inputs, tp, tp, check, timeout=60)
     assert results == [[(3,), (2, 3 * tp), (3,), (tp, 2), (3 * tp,), (3,)]] * tp
+
+
+# --- a dead peer (issue 15, point 3) -----------------------------------------------------------
+
+
+def _dead_peer(tp):
+    import os
+
+    _init(tp)
+    reduce_from_tensor_model_parallel_region(torch.ones(2))  # the group works
+    if _last():
+        time.sleep(0.3)
+        os._exit(3)  # the peer dies while the others wait in the next all-reduce
+    start = time.monotonic()
+    try:
+        reduce_from_tensor_model_parallel_region(torch.ones(2))
+    except consistency.CollectiveError as exc:
+        seconds = time.monotonic() - start
+        raise consistency.CollectiveError(f"{exc} [after {seconds:.1f} s]") from exc
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_dead_peer_gives_a_named_error_on_the_survivors(check):
+    from megatron_core.testing import DistributedTestError
+
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_run_dead_peer, 2, check, timeout=60)
+    failures = info.value.failures
+    assert failures[1].type_name == "WorkerDied"
+    survivor = failures[0]
+    assert survivor.type_name.endswith("CollectiveError"), survivor
+    op = "the consistency check's all-gather" if check else "all_reduce"
+    assert survivor.message.startswith(
+        f"{op} on the tensor-model-parallel / model-parallel group (global ranks [0, 1]) failed "
+        "(a peer process of the group died or closed its connection)"
+    ), survivor.message
+    seconds = float(survivor.message.rsplit("[after ", 1)[1].split(" s]")[0])
+    assert seconds < _LIMIT_S
+
+
+def _run_dead_peer(check):
+    with consistency.check_mode(check):
+        _dead_peer(dist.get_world_size())
+
+
+# --- torch's TORCH_DISTRIBUTED_DEBUG=DETAIL -----------------------------------------------------
+
+
+def _detail_mismatch():
+    import datetime
+
+    from megatron_core.tensor_parallel import _collectives
+
+    previous = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)  # what TORCH_DISTRIBUTED_DEBUG=DETAIL does
+    try:
+        group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=6))
+    finally:
+        dist.set_debug_level(previous)
+    with consistency.check_mode(False):  # torch's fingerprint check alone
+        try:
+            _collectives.all_reduce(torch.ones(4 if _last() else 3), group)
+        except MegatronCoreError as exc:
+            return type(exc).__name__, str(exc)
+    return "returned", ""
+
+
+def test_torch_detail_mismatch_is_named():
+    for kind, message in run_distributed(_detail_mismatch, 2, timeout=60):
+        assert kind == "CollectiveError"
+        assert message.startswith(
+            "all_reduce on the process group of global ranks [0, 1] failed (torch's "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL check found the ranks in different calls)"
+        ), message
+        assert "Detected mismatch between collectives" in message

@@ -61,6 +61,8 @@ def dev(request):
 
 
 def seeded(seed=SEED, **ranks):
+    if not ps.model_parallel_is_initialized():
+        ranks.setdefault("tp_rank", 0)  # no parallel_state (one process): the rank is explicit
     tp_random.model_parallel_cuda_manual_seed(seed, **ranks)
     return tp_random.get_cuda_rng_tracker()
 
@@ -85,7 +87,22 @@ def test_cpu_generator_is_seeded_too(dev):
     same(torch.rand(16), torch.rand(16, generator=torch.Generator().manual_seed(SEED)))
 
 
-def test_ranks_default_to_zero_without_parallel_state(dev):
+def test_tp_rank_is_required_without_parallel_state(dev):
+    # Issue 15: taking tp_rank 0 here gave every TP rank the same stream (megatron-core raises).
+    assert not ps.model_parallel_is_initialized()
+    with pytest.raises(MegatronCoreError, match="called before initialize_model_parallel"):
+        tp_random.model_parallel_cuda_manual_seed(SEED)
+    ps.set_tensor_model_parallel_rank(1)  # megatron-core's override is honoured
+    try:
+        tp_random.model_parallel_cuda_manual_seed(SEED)
+        tracker = tp_random.get_cuda_rng_tracker()
+        with tracker.fork():
+            same(draw(), reference(SEED + 2718 + 1))
+    finally:
+        ps.set_tensor_model_parallel_rank(None)
+
+
+def test_expert_ranks_default_to_zero_without_parallel_state(dev):
     assert not ps.model_parallel_is_initialized()
     tracker = seeded()
     with tracker.fork():
@@ -216,7 +233,7 @@ def test_snapshot_inside_fork_replays_the_in_flight_stream(dev):
 
 def test_inference_tracker_fork_is_a_no_op(dev):
     tp_random.model_parallel_cuda_manual_seed(
-        SEED, inference_rng_tracker=True, force_reset_rng=True
+        SEED, inference_rng_tracker=True, force_reset_rng=True, tp_rank=0
     )
     tracker = tp_random.get_cuda_rng_tracker()
     assert isinstance(tracker, tp_random.InferenceCudaRNGStatesTracker)
@@ -230,10 +247,12 @@ def test_inference_tracker_fork_is_a_no_op(dev):
 def test_cuda_only_modes_refuse_on_cpu(dev):
     with pytest.raises(MegatronCoreError, match="use_cudagraphable_rng=True needs an accelerator"):
         tp_random.model_parallel_cuda_manual_seed(
-            1, use_cudagraphable_rng=True, force_reset_rng=True
+            1, use_cudagraphable_rng=True, force_reset_rng=True, tp_rank=0
         )
     with pytest.raises(MegatronCoreError, match="te_rng_tracker=True needs Transformer Engine"):
-        tp_random.model_parallel_cuda_manual_seed(1, te_rng_tracker=True, force_reset_rng=True)
+        tp_random.model_parallel_cuda_manual_seed(
+            1, te_rng_tracker=True, force_reset_rng=True, tp_rank=0
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph-safe streams need a GPU")
@@ -241,7 +260,7 @@ def test_graph_safe_streams_on_cuda():
     device.set_device_type("cuda")
     try:
         tp_random.model_parallel_cuda_manual_seed(
-            SEED, use_cudagraphable_rng=True, force_reset_rng=True
+            SEED, use_cudagraphable_rng=True, force_reset_rng=True, tp_rank=0
         )
         tracker = tp_random.get_cuda_rng_tracker()
         snapshot = tp_random.get_rng_snapshot()

@@ -135,7 +135,8 @@ def all_reduce_async(
         buffer = input_
     else:
         buffer = input_.to(dtype, memory_format=torch.contiguous_format, copy=True)
-    work = dist.all_reduce(buffer, group=group, async_op=True)
+    with consistency.named_failures("all_reduce", group):  # torch's DETAIL check raises here
+        work = dist.all_reduce(buffer, group=group, async_op=True)
     return Pending(work, lambda: buffer.to(input_.dtype), "all_reduce", group)
 
 
@@ -153,7 +154,8 @@ def reduce_scatter_first_dim_async(input_: torch.Tensor, group: dist.ProcessGrou
     dtype = _sum_dtype(input_, group)
     source = input_.to(dtype, memory_format=torch.contiguous_format)
     output = source.new_empty((source.size(0) // world_size, *source.shape[1:]))
-    work = _reduce_scatter_single(output, source, group=group, async_op=True)
+    with consistency.named_failures("reduce_scatter", group):
+        work = _reduce_scatter_single(output, source, group=group, async_op=True)
     return Pending(work, lambda: output.to(input_.dtype), "reduce_scatter", group)
 
 
@@ -212,7 +214,8 @@ def all_gather_first_dim_async(input_: torch.Tensor, group: dist.ProcessGroup) -
     _check_dims(input_, "gather along the first dimension")
     input_ = input_.contiguous()
     output = input_.new_empty((world_size * input_.size(0), *input_.shape[1:]))
-    work = _all_gather_single(output, input_, group=group, async_op=True)
+    with consistency.named_failures("all_gather", group):
+        work = _all_gather_single(output, input_, group=group, async_op=True)
     return Pending(work, lambda: output, "all_gather", group)
 
 

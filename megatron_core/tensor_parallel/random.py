@@ -349,10 +349,20 @@ def get_all_rng_states() -> dict[str, Any]:
 
 
 def _resolve_ranks(tp_rank, ep_rank, etp_rank) -> tuple[int, int, int]:
-    """Fill in ranks from parallel_state; 0 where it is not initialized."""
+    """Fill in ranks from parallel_state. The tensor-parallel rank is required (megatron-core
+    raises too): before initialize, every TP rank would get the same model-parallel stream.
+    The expert ranks default to 0 before initialize."""
     ready = parallel_state.model_parallel_is_initialized()
     if tp_rank is None:
-        tp_rank = parallel_state.get_tensor_model_parallel_rank() if ready else 0
+        try:
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()  # or the value set
+        except MegatronCoreError as exc:
+            raise MegatronCoreError(
+                "model_parallel_cuda_manual_seed: called before initialize_model_parallel, so "
+                "the tensor-parallel rank is unknown and every TP rank would get the same "
+                "'model-parallel-rng' stream; call initialize_model_parallel(...) first or pass "
+                "tp_rank="
+            ) from exc
     if ep_rank is None:
         ep_rank = parallel_state.get_expert_model_parallel_rank() if ready else 0
     if etp_rank is None:
@@ -382,7 +392,8 @@ def model_parallel_cuda_manual_seed(
         te_rng_tracker: use Transformer Engine's tracker (cuda + TE only).
         inference_rng_tracker: no-op forks (inference).
         use_cudagraphable_rng: graph-safe streams (accelerator only).
-        tp_rank: tensor-parallel rank; default parallel_state's, or 0 before it is initialized.
+        tp_rank: tensor-parallel rank; default parallel_state's (required before
+            initialize_model_parallel: the call raises MegatronCoreError without it).
         ep_rank: expert-parallel rank; default parallel_state's, or 0 before it is initialized.
         etp_rank: expert-tensor-parallel rank; default parallel_state's, or 0 before it is
             initialized.
