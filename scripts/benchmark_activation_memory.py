@@ -9,9 +9,9 @@ Run (CPU: each TP size on that many gloo ranks; GPU: under torchrun, one rank pe
 
 For every (s, b, h, a), TP size t, sequence parallelism on/off and recompute none / selective
 (core_attn) / the other selective modules / full / full+distributed, one forward of one
-``megatron_core.transformer.TransformerLayer`` (dropout on, training mode) runs inside ``tensor_parallel.count_saved_activations`` with the
-layer's parameters ignored: the measured number is the unique storage bytes autograd keeps for
-backward on one rank. Full recompute runs the layer through ``checkpoint_layer_stack`` (what
+``megatron_core.transformer.TransformerLayer`` (dropout on, training mode) runs inside
+``tensor_parallel.count_saved_activations`` with the layer's parameters ignored: the measured
+number is the unique storage bytes autograd keeps for backward on one rank (rule 4 below). Full recompute runs the layer through ``checkpoint_layer_stack`` (what
 TransformerBlock does), so the layer's input is what is kept.
 
 Formulas ("Reducing Activation Recomputation in Large Transformer Models", table 2), bytes per
