@@ -11,8 +11,9 @@ For every (s, b, h, a), TP size t, sequence parallelism on/off and recompute non
 (core_attn) / the other selective modules / full / full+distributed, one forward of one
 ``megatron_core.transformer.TransformerLayer`` (dropout on, training mode) runs inside
 ``tensor_parallel.count_saved_activations`` with the layer's parameters ignored: the measured
-number is the unique storage bytes autograd keeps for backward on one rank (rule 4 below). Full recompute runs the layer through ``checkpoint_layer_stack`` (what
-TransformerBlock does), so the layer's input is what is kept.
+number is the unique storage bytes autograd keeps for backward on one rank (rule 4 below). Full
+recompute runs the layer through ``checkpoint_layer_stack`` (what TransformerBlock does), so the
+layer's input is what is kept.
 
 Formulas ("Reducing Activation Recomputation in Large Transformer Models", table 2), bytes per
 layer with 16-bit activations and 1-byte dropout masks, ffn = 4h::
