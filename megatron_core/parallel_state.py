@@ -306,9 +306,16 @@ def initialize_model_parallel(
         global_rank=dist.get_rank(),
         world_size=world_size,
         overrides=_STATE.overrides,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        # Without the argument, a size set earlier by the setters stays (as in megatron-core).
+        virtual_pipeline_model_parallel_size=(
+            _STATE.virtual_pipeline_model_parallel_size
+            if virtual_pipeline_model_parallel_size is None
+            else virtual_pipeline_model_parallel_size
+        ),
         virtual_pipeline_model_parallel_rank=(
-            0 if virtual_pipeline_model_parallel_size is not None else None
+            _STATE.virtual_pipeline_model_parallel_rank
+            if virtual_pipeline_model_parallel_size is None
+            else 0
         ),
         pipeline_model_parallel_split_rank=pipeline_model_parallel_split_rank,
     )

@@ -17,7 +17,8 @@ The RNG tracker is seeded (model_parallel_cuda_manual_seed), as in a megatron mo
 checkpoint snapshots its streams, torch's does not. A round times one forward + backward step of
 every mode, in an order rotated from round to round, so a slow spell of a shared machine hits all
 modes alike; reported are the median step time per mode and the median (min-max) over rounds of
-the per-round ratio to "torch non-reentrant", i.e. of steps timed next to each other.
+the per-round ratio to "torch non-reentrant", i.e. of steps timed next to each other, for the
+wall clock and for this process's CPU time (less disturbed by other processes on a shared box).
 
 Memory, from one extra step per mode: "peak alive" is the largest number of bytes held at once
 during backward by storages that ops made during the step (a TorchDispatchMode keeps a weak
@@ -118,29 +119,35 @@ def _memory(blocks, x0: torch.Tensor, mode: str) -> tuple[int, int]:
 def run(args, threads: int) -> str:
     """Time every mode at ``threads`` torch threads; the markdown table."""
     torch.set_num_threads(threads)
-    model_parallel_cuda_manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234, tp_rank=0)  # one process, no parallel_state
     blocks = _build(args)
     x0 = torch.randn(args.tokens, args.hidden)
     names = list(MODES)
     for mode in names:  # warm-up: first calls allocate and initialize lazily
         _step(blocks, x0, mode)
-    times: dict[str, list[float]] = {m: [] for m in names}
+    wall: dict[str, list[float]] = {m: [] for m in names}
+    cpu: dict[str, list[float]] = {m: [] for m in names}
     for r in range(args.rounds):
         for mode in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             _step(blocks, x0, mode)
-            times[mode].append(time.perf_counter() - start)
+            wall[mode].append(time.perf_counter() - start)
+            cpu[mode].append(time.process_time() - start_cpu)
     rows = [
-        "| mode | median step (s) | / torch non-reentrant, median (min-max) of per-round "
-        "ratios | peak alive in backward (MB) | saved after forward (MB) |",
-        "|---|---|---|---|---|",
+        "| mode | median step, wall / cpu (s) | / torch non-reentrant, wall: median (min-max) "
+        "of per-round ratios | same, cpu time | peak alive in backward (MB) | saved after "
+        "forward (MB) |",
+        "|---|---|---|---|---|---|",
     ]
     for mode in names:
-        ratios = [a / b for a, b in zip(times[mode], times[BASE])]
         peak, saved = _memory(blocks, x0, mode)
+        cells = []
+        for times in (wall, cpu):
+            ratios = [a / b for a, b in zip(times[mode], times[BASE])]
+            cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
         rows.append(
-            f"| {mode} | {statistics.median(times[mode]):.3f} | "
-            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | "
+            f"| {mode} | {statistics.median(wall[mode]):.3f} / "
+            f"{statistics.median(cpu[mode]):.3f} | {cells[0]} | {cells[1]} | "
             f"{peak / 2**20:.1f} | {saved / 2**20:.1f} |"
         )
     title = (

@@ -33,11 +33,6 @@ DELIBERATELY_ABSENT_METHODS = {
     ("VocabParallelEmbedding", "sharded_state_dict"): "no dist_checkpointing",
 }
 
-# Rows another helper's work provides and that have not landed yet, with the owner. They are
-# not silently skipped: test_pending_rows_are_still_incompatible fails as soon as one of them
-# passes, so each must leave this list when its owner lands.
-PENDING: dict[tuple[str, str], str] = {}
-
 _KIND = {
     "positional_only": inspect.Parameter.POSITIONAL_ONLY,
     "positional_or_keyword": inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -120,10 +115,6 @@ def _rows(section: str) -> list[tuple[str, dict]]:
     return rows
 
 
-def _checked_rows(section: str) -> list[tuple[str, dict]]:
-    return [(name, row) for name, row in _rows(section) if (section, name) not in PENDING]
-
-
 def tensor_parallel_problems(name: str, row: dict) -> list[str]:
     if row["in_init"]:
         import megatron_core.tensor_parallel as tp
@@ -140,7 +131,7 @@ def tensor_parallel_problems(name: str, row: dict) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "name,row", _checked_rows("tensor_parallel"), ids=lambda v: v if isinstance(v, str) else ""
+    "name,row", _rows("tensor_parallel"), ids=lambda v: v if isinstance(v, str) else ""
 )
 def test_tensor_parallel_name(name, row):
     problems = tensor_parallel_problems(name, row)
@@ -157,25 +148,11 @@ def parallel_state_problems(name: str, row: dict) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "name,row", _checked_rows("parallel_state"), ids=lambda v: v if isinstance(v, str) else ""
+    "name,row", _rows("parallel_state"), ids=lambda v: v if isinstance(v, str) else ""
 )
 def test_parallel_state_name(name, row):
     problems = parallel_state_problems(name, row)
     assert not problems, "\n".join(problems)
-
-
-def test_pending_rows_are_still_incompatible():
-    """A PENDING row that now passes must move out of PENDING (and so be checked above)."""
-    checkers = {
-        "tensor_parallel": tensor_parallel_problems,
-        "parallel_state": parallel_state_problems,
-    }
-    now_passing = [
-        f"{section}.{name} ({owner})"
-        for (section, name), owner in PENDING.items()
-        if not checkers[section](name, MANIFEST[section][name])
-    ]
-    assert not now_passing, f"remove from PENDING, they pass now: {now_passing}"
 
 
 def test_model_parallel_config_fields():

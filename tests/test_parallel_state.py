@@ -333,6 +333,11 @@ def _body_virtual_pipeline():
         warnings.simplefilter("always")
         ps.set_virtual_pipeline_model_parallel_rank(1)
     seen.append((ps.get_virtual_pipeline_model_parallel_rank(), caught[0].category.__name__))
+    ps.destroy_model_parallel()
+    # A size set before initialize survives an initialize without the argument (megatron-core).
+    ps.set_virtual_pipeline_model_parallel_world_size(4)
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    seen.append(ps.get_virtual_pipeline_model_parallel_world_size())
     return seen
 
 
@@ -348,7 +353,7 @@ def test_virtual_pipeline_stages():
         (False, True, False, False, False, True),
         (False, True, False, True, True, True),
     ]
-    assert rank0[2] == (1, "DeprecationWarning")
+    assert rank0[2] == (1, "DeprecationWarning") and rank0[3] == rank1[3] == 4
 
 
 def _ranks_or_none(group):

@@ -112,6 +112,7 @@ def _collect(per_rank, index, tp_size):
 
 
 PP2 = {"pipeline_model_parallel_size": 2}
+VP2 = {"num_layers_per_virtual_pipeline_stage": 1}
 SP2 = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
 
 
@@ -262,3 +263,60 @@ def test_bf16_and_fp16_at_pp2_match_pp1():
         want = torch.tensor([ref[0][k] for k in range(1, 9)])
         got = torch.tensor([losses[k] for k in range(1, 9)])
         torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"num_layers": 3, "pipeline_model_parallel_size": 2}, r"num_layers \(3\) must be"),
+        (
+            {"num_layers": 4, "pipeline_model_parallel_size": 2,
+             "virtual_pipeline_model_parallel_size": 4},
+            r"num_layers \(4\) must be divisible by pipeline_model_parallel_size \(2\) \* "
+            r"virtual_pipeline_model_parallel_size \(4\)",
+        ),
+        ({"num_layers": 4, "virtual_pipeline_model_parallel_size": 2}, r"needs pipeline_model"),
+    ],
+)  # fmt: skip
+def test_transformer_config_rejects_uneven_stages(options, message):
+    from megatron_core.transformer import TransformerConfig
+
+    with pytest.raises(MegatronCoreError, match=message):
+        TransformerConfig(
+            hidden_size=8, num_attention_heads=2, pipeline_dtype=torch.float32, **options
+        )
+
+
+def _resume_at_pp1(directory: str):
+    common = {"train_iters": 6}  # dropout off: the stages' dropout streams differ from pp=1's
+    return _runs(
+        [
+            _argv(**common),  # pp=1 x dp=2, straight
+            _argv(**PP2, **common, exit_interval=3, save=directory),
+            _argv(**common, load=directory),  # pp=1 x dp=2 from the pp=2 checkpoint
+            _argv(**PP2, **VP2, **common, exit_interval=3, save=directory + "/vp"),
+            _argv(**common, load=directory + "/vp"),  # ... from the interleaved checkpoint
+        ]
+    )
+
+
+def test_pp2_checkpoint_resumes_at_pp1(tmp_path):
+    """Saved at pp=2 and at pp=2 interleaved (layers keyed by global index, the tied copy saved
+    once), resumed at pp=1: the run continues as a pp=1 run from the start would (1e-5, as in
+    the pp=1 comparison)."""
+    for straight, *pairs in run_distributed(_resume_at_pp1, 2, str(tmp_path), timeout=300):
+        for first, resumed in (pairs[:2], pairs[2:]):
+            _assert_continues(straight, first, resumed)
+
+
+def _assert_continues(straight, first, resumed):
+    assert sorted(first[0]) == [1, 2, 3] and sorted(resumed[0]) == [4, 5, 6]
+    losses = {**first[0], **resumed[0]}
+    got = torch.tensor([losses[k] for k in range(1, 7)])
+    want = torch.tensor([straight[0][k] for k in range(1, 7)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    keys = sorted(straight[1])
+    assert sorted(resumed[1]) == keys
+    got = torch.cat([resumed[1][k].reshape(-1) for k in keys])
+    want = torch.cat([straight[1][k].reshape(-1) for k in keys])
+    assert ((got - want).norm() / want.norm()).item() <= 1e-5

@@ -492,3 +492,32 @@ def test_sent_tensor_must_match_pipeline_dtype_and_shape():
     errors, _ = run_distributed(_bad_send, 2, timeout=30)
     assert "dtype torch.bfloat16 but config.pipeline_dtype is torch.float32" in errors[0]
     assert "shape (3, 2, 7) but the pipeline's tensor_shape is (3, 2, 6)" in errors[1]
+
+
+# --- finalize_model_grads ---------------------------------------------------------------------
+
+
+def _finalize(pp, tokens_by_rank):
+    from megatron_core.distributed import finalize_model_grads
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    rank = dist.get_rank()
+    module = torch.nn.Linear(2, 1, bias=False)
+    module.weight.grad = torch.full((1, 2), float(rank + 1))
+    num_tokens = None if tokens_by_rank is None else torch.tensor(tokens_by_rank[rank])
+    finalize_model_grads([module], num_tokens)
+    return module.weight.grad[0, 0].item()
+
+
+@pytest.mark.parametrize(
+    "world_size, pp, tokens, expected",
+    [
+        (2, 1, None, [1.5, 1.5]),  # dp=2: averaged
+        (2, 1, [3, 5], [3 / 8, 3 / 8]),  # per-token: summed over DP, / all tokens
+        (2, 2, [0, 4], [1 / 4, 2 / 4]),  # pp=2: the last stage's count reaches the first
+        (4, 2, [0, 0, 2, 6], [3 / 8, 3 / 8, 7 / 8, 7 / 8]),  # pp=2 x dp=2: DP [0,1] [2,3]
+    ],
+)
+def test_finalize_model_grads_dp_and_num_tokens(world_size, pp, tokens, expected):
+    # NOTE [ Gradient finalization ], rules 2 and 4 (grads are small integers: exact).
+    assert run_distributed(_finalize, world_size, pp, tokens, timeout=60) == expected

@@ -180,3 +180,26 @@ def test_show_parallel_groups_exits_zero(tmp_path):
         assert done.returncode == 0, done.stdout + done.stderr
         assert "terminate called" not in done.stderr
         assert done.stdout.count("\n") == 6, done.stdout  # header, rule, one row per rank
+
+
+def test_under_torchrun_a_user_error_is_printed_once(tmp_path):
+    """torchrun starts every rank with the same bad layout: only rank 0 prints it (torchrun then
+    adds its own failure summary, which the built-in launcher avoids)."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        SCRIPT,
+        "--tensor-model-parallel-size",
+        "3",
+        *TINY,
+    ]
+    done = subprocess.run(
+        command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert output.count("train_gpt.py: error: world size (2) must be divisible") == 1, output
+    assert f'File "{REPO}' not in output, output  # no traceback through our code

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state
+from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.layer_params import allreduce_sequence_parallel_grads
 
 __all__ = ["finalize_model_grads"]
@@ -59,7 +60,9 @@ def _embedding_weight(chunk: torch.nn.Module) -> torch.Tensor | None:
     inner = chunk
     while inner is not None and not hasattr(inner, "shared_embedding_or_output_weight"):
         inner = getattr(inner, "module", None)
-    return None if inner is None else inner.shared_embedding_or_output_weight()
+    if inner is None or not getattr(inner, "share_embeddings_and_output_weights", True):
+        return None
+    return inner.shared_embedding_or_output_weight()
 
 
 def _allreduce_embedding_grads(model: list[torch.nn.Module], pg_collection) -> None:
@@ -80,10 +83,14 @@ def _allreduce_embedding_grads(model: list[torch.nn.Module], pg_collection) -> N
         weight = _embedding_weight(chunk)
         if weight is not None and _grad(weight) is not None:
             grads.append(_grad(weight))
-    if len(grads) != 1:
-        # One copy per rank: the first stage's chunk 0 or the last stage's last chunk. A rank
-        # holding both (pp == 1) returned above.
-        raise RuntimeError(f"finalize_model_grads: expected one embedding copy, found {len(grads)}")
+    if not grads:  # a model without tied embeddings (or without shared_embedding_or_output_weight)
+        return
+    if len(grads) > 1:
+        # One copy per rank: the first stage's chunk 0 or the last stage's last chunk.
+        raise MegatronCoreError(
+            f"finalize_model_grads: expected one tied-embedding copy on this rank, found "
+            f"{len(grads)}"
+        )
     _flat_all_reduce(grads, group, None)
 
 

@@ -125,10 +125,7 @@ def _guard(step: Callable[[], Any], what: str) -> Any:
 def _prepare_directory(partial: Path) -> None:
     if dist.get_rank() == 0:
         partial.parent.mkdir(parents=True, exist_ok=True)
-        for stale in (
-            *partial.parent.glob(".iter_*.partial"),
-            *partial.parent.glob(".iter_*.replaced"),
-        ):
+        for stale in partial.parent.glob(".iter_*.partial"):
             shutil.rmtree(stale)  # a killed save's leftovers (one job per directory)
         partial.mkdir()
 

@@ -42,8 +42,14 @@ def read_iteration(root: Path) -> int:
 def read_manifest(directory: Path, iteration: int) -> dict[str, Any]:
     path = directory / MANIFEST_FILENAME
     if not directory.is_dir():
+        replaced = directory.with_name(f".{directory.name}.replaced")
+        hint = (
+            f"; a save that replaced it was interrupted: {replaced} holds it"
+            if replaced.is_dir()
+            else ""
+        )
         raise MegatronCoreError(
-            f"{directory} is missing (the tracker file names iteration {iteration})"
+            f"{directory} is missing (the tracker file names iteration {iteration}){hint}"
         )
     if not path.is_file():
         raise MegatronCoreError(f"{path} is missing: not a complete megatron_core checkpoint")

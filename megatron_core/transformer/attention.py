@@ -67,8 +67,9 @@ class CoreAttention(torch.nn.Module):
 class ParallelAttention(torch.nn.Module):
     """Causal multi-head self-attention split by heads (Megatron-LM, section 3).
 
-    With ``recompute_granularity="selective"`` the core attention (scores, softmax, dropout,
-    weighted sum: the largest activations, cheap to recompute) runs inside
+    With ``recompute_granularity="selective"`` and "core_attn" in ``recompute_modules`` (the
+    default) the core attention (scores, softmax, dropout, weighted sum: the largest
+    activations, cheap to recompute) runs inside
     ``tensor_parallel.checkpoint``, which replays its dropout masks in backward.
 
     Args:
@@ -90,7 +91,7 @@ class ParallelAttention(torch.nn.Module):
             gather_output=False,
         )
         self.core_attention = CoreAttention(config)
-        self.checkpoint_core_attention = config.recompute_granularity == "selective"
+        self.checkpoint_core_attention = config.recomputes("core_attn")
         self.dense = RowParallelLinear(
             projection_size,
             config.hidden_size,

@@ -21,6 +21,16 @@ __all__ = ["TransformerConfig", "init_method_normal", "scaled_init_method_normal
 
 _GRANULARITIES = (None, "full", "selective")
 _METHODS = (None, "uniform", "block")
+# recompute_modules this GPT implements: megatron-core 0.16's names for a dense GPT, plus
+# "activation" (the MLP's gelu, output-discarding like 0.16's "moe_act" for MoE experts).
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "activation")
+# megatron-core 0.16 names for parts this GPT does not have.
+_ABSENT_MODULES = {
+    "moe_act": "MoE experts",
+    "moe": "an MoE layer",
+    "shared_experts": "MoE shared experts",
+    "mla_up_proj": "multi-latent attention",
+}
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -55,8 +65,15 @@ class TransformerConfig(ModelParallelConfig):
         output_layer_init_method: init of the weights that write into the residual stream
             (attention output, second MLP linear); default N(0, (init_method_std /
             sqrt(2 num_layers))^2).
-        recompute_granularity: None, "selective" (recompute core attention only) or "full"
-            (recompute whole layers, see recompute_method).
+        recompute_granularity: None, "selective" (recompute the parts in recompute_modules) or
+            "full" (recompute whole layers, see recompute_method).
+        recompute_modules: with "selective", what to recompute (megatron-core 0.16's names;
+            default ["core_attn"]): "core_attn" (scores, softmax, dropout, weighted sum:
+            checkpoint), "mlp" (the whole MLP: checkpoint), "layernorm" (both LayerNorms: their
+            outputs are released after the next linear used them and recomputed in backward,
+            CheckpointWithoutOutput), "activation" (extension: the MLP's gelu output, released
+            the same way). 0.16's "moe_act", "moe", "shared_experts", "mla_up_proj" raise: this
+            GPT has no MoE or MLA.
         recompute_method: with "full": "uniform" (checkpoint chunks of recompute_num_layers
             layers) or "block" (checkpoint the first recompute_num_layers layers).
         recompute_num_layers: the n of recompute_method.
@@ -80,6 +97,7 @@ class TransformerConfig(ModelParallelConfig):
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     distribute_saved_activations: bool = False
+    recompute_modules: list[str] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -131,7 +149,35 @@ class TransformerConfig(ModelParallelConfig):
                 f"TransformerConfig: num_layers ({self.num_layers}) must be divisible by {what}"
             )
 
+    def _check_recompute_modules(self) -> None:
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]  # megatron-core's default
+        modules = self.recompute_modules
+        if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
+            raise MegatronCoreError(
+                f"TransformerConfig: recompute_modules ({modules!r}) must be a list of names"
+            )
+        if self.recompute_granularity != "selective":
+            return
+        for name in modules:
+            if name in _ABSENT_MODULES:
+                raise MegatronCoreError(
+                    f"TransformerConfig: recompute_modules entry {name!r} needs "
+                    f"{_ABSENT_MODULES[name]}, which this GPT does not have; choose from "
+                    f"{list(RECOMPUTE_MODULES)}"
+                )
+            if name not in RECOMPUTE_MODULES:
+                raise MegatronCoreError(
+                    f"TransformerConfig: recompute_modules entry {name!r} is not one of "
+                    f"{list(RECOMPUTE_MODULES)}"
+                )
+
+    def recomputes(self, module: str) -> bool:
+        """True when ``recompute_granularity="selective"`` recomputes ``module``."""
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
+
     def _check_recompute(self) -> None:
+        self._check_recompute_modules()
         granularity, method, n = (
             self.recompute_granularity,
             self.recompute_method,

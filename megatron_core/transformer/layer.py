@@ -24,7 +24,11 @@ import torch.nn.functional as F
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.checkpointing import checkpoint_layer_stack
+from megatron_core.tensor_parallel.checkpointing import (
+    CheckpointWithoutOutput,
+    checkpoint,
+    checkpoint_layer_stack,
+)
 from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron_core.transformer.attention import ParallelAttention
 from megatron_core.transformer.config import TransformerConfig
@@ -65,6 +69,13 @@ def dropout_rng_context(config: TransformerConfig) -> contextlib.AbstractContext
 class TransformerLayer(torch.nn.Module):
     """x + dropout(attn(LN(x))), then + dropout(mlp(LN(.))): a pre-LayerNorm GPT layer.
 
+    Selective recompute (``recompute_granularity="selective"``, megatron-core's
+    ``recompute_modules``): "layernorm" releases each LayerNorm's output once the next linear
+    used it and recomputes it in backward from a gradient hook on the attention / MLP output
+    (``CheckpointWithoutOutput``); "mlp" runs the MLP as one non-reentrant checkpoint;
+    "core_attn" and "activation" act inside attention and MLP. Every mode is bitwise equal to
+    no recompute (RNG replay: NOTE [ Checkpoint rules ], rule 2).
+
     Args:
         config: the model's TransformerConfig.
     """
@@ -76,6 +87,8 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = ParallelAttention(config)
         self.post_attention_layernorm = make_layer_norm(config)
         self.mlp = ParallelMLP(config)
+        self.recompute_layernorm = config.recomputes("layernorm")
+        self.recompute_mlp = config.recomputes("mlp")
 
     def _bias_dropout_add(self, x, bias, residual):
         if bias is not None:
@@ -86,10 +99,26 @@ class TransformerLayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Map [s, b, h] ([s/tp, b, h] under sequence parallelism) to the same shape."""
-        attention, bias = self.self_attention(self.input_layernorm(hidden_states))
+        normed, norm = self._norm(self.input_layernorm, hidden_states)
+        attention, bias = self.self_attention(normed)
+        if norm is not None:
+            norm.discard_output_and_register_recompute(attention)
         hidden_states = self._bias_dropout_add(attention, bias, hidden_states)
-        mlp, bias = self.mlp(self.post_attention_layernorm(hidden_states))
+        normed, norm = self._norm(self.post_attention_layernorm, hidden_states)
+        if self.recompute_mlp:
+            mlp, bias = checkpoint(self.mlp, False, normed, use_reentrant=False)
+        else:
+            mlp, bias = self.mlp(normed)
+        if norm is not None:
+            norm.discard_output_and_register_recompute(mlp)
         return self._bias_dropout_add(mlp, bias, hidden_states)
+
+    def _norm(self, layer_norm, hidden_states):
+        """LayerNorm, under CheckpointWithoutOutput with selective "layernorm" recompute."""
+        if not (self.recompute_layernorm and torch.is_grad_enabled()):
+            return layer_norm(hidden_states), None
+        norm = CheckpointWithoutOutput()
+        return norm.checkpoint(layer_norm, hidden_states), norm
 
 
 def get_num_layers_to_build(config: TransformerConfig, vp_stage: int | None = None) -> int:

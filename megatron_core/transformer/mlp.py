@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_core.transformer.config import TransformerConfig
 
@@ -17,7 +18,10 @@ class ParallelMLP(torch.nn.Module):
     The first linear is split by columns, so each rank applies gelu to its own ffn/tp slice
     without communication; the second is split by rows and sums the partial products over the
     group (all-reduce, or reduce-scatter under sequence parallelism). Its bias is returned, not
-    added, so the layer can fuse bias, dropout and residual.
+    added, so the layer can fuse bias, dropout and residual. With "activation" in the config's
+    selective ``recompute_modules`` the gelu output (the second linear's saved input, ffn/tp
+    wide) is released after the second linear ran and recomputed in backward
+    (``CheckpointWithoutOutput``), so only the gelu input is kept.
 
     Args:
         config: the model's TransformerConfig.
@@ -42,6 +46,9 @@ class ParallelMLP(torch.nn.Module):
             input_is_parallel=True,
             skip_bias_add=True,
         )
+        # Inside a recomputed MLP ("mlp") nothing of it is kept: releasing the gelu output as
+        # well would only add a second recompute hook on the MLP output.
+        self.recompute_activation = config.recomputes("activation") and not config.recomputes("mlp")
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Apply the MLP to [s, b, h] ([s/tp, b, h] under sequence parallelism).
@@ -51,4 +58,9 @@ class ParallelMLP(torch.nn.Module):
             be added by the caller) or None.
         """
         intermediate, _ = self.dense_h_to_4h(hidden_states)
-        return self.dense_4h_to_h(F.gelu(intermediate))
+        if not (self.recompute_activation and torch.is_grad_enabled()):
+            return self.dense_4h_to_h(F.gelu(intermediate))
+        activation = CheckpointWithoutOutput()
+        output, bias = self.dense_4h_to_h(activation.checkpoint(F.gelu, intermediate))
+        activation.discard_output_and_register_recompute(output)
+        return output, bias
