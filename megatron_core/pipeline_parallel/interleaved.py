@@ -17,6 +17,9 @@ last stage's chunk c feeds the first stage's chunk c + 1 (the p2p ring).
    (which is chunk c - 1 of the microbatch that the first stage's chunk c runs next), and
    nothing when that would be the model's final chunk; the last stage's backward mirrors this.
 4. Bubble: (pp - 1) / (vp * m + pp - 1) instead of 1F1B's (pp - 1) / (m + pp - 1).
+5. Differences from megatron-core 0.16: ``overlap_p2p_comm`` is ignored (every exchange waits
+   before the next compute, so stages run in lock-step with their neighbours; BENCHMARKS.md
+   shows the cost), ``adjust_tensor_shapes_fn`` and ``variable_seq_lengths`` are refused.
 """
 
 from __future__ import annotations
