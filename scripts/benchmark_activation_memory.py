@@ -7,12 +7,13 @@ Run (CPU: each TP size on that many gloo ranks; GPU: under torchrun, one rank pe
     torchrun --nproc_per_node=1 scripts/benchmark_activation_memory.py --device cuda --tp 1 \
         --dtype bf16
 
-For every (s, b, h, a), TP size t, sequence parallelism on/off and recompute none / selective /
-full / full+distributed, one forward of one ``megatron_core.transformer.TransformerLayer``
-(dropout on, training mode) runs inside ``tensor_parallel.count_saved_activations`` with the
-layer's parameters ignored: the measured number is the unique storage bytes autograd keeps for
-backward on one rank. Full recompute runs the layer through ``checkpoint_layer_stack`` (what
-TransformerBlock does), so the layer's input is what is kept.
+For every (s, b, h, a), TP size t, sequence parallelism on/off and recompute none / selective
+(core_attn) / the other selective modules / full / full+distributed, one forward of one
+``megatron_core.transformer.TransformerLayer`` (dropout on, training mode) runs inside
+``tensor_parallel.count_saved_activations`` with the layer's parameters ignored: the measured
+number is the unique storage bytes autograd keeps for backward on one rank (rule 4 below). Full
+recompute runs the layer through ``checkpoint_layer_stack`` (what TransformerBlock does), so the
+layer's input is what is kept.
 
 Formulas ("Reducing Activation Recomputation in Large Transformer Models", table 2), bytes per
 layer with 16-bit activations and 1-byte dropout masks, ffn = 4h::
@@ -55,6 +56,14 @@ What the implementation keeps beyond the formulas ("extra" column; exact, per ra
 3. fp32 softmax: ``CoreAttention`` computes the softmax in fp32, so with 16-bit activations the
    kept softmax output costs 4 bytes per element instead of B: (4 - B) as^2 b / t more.
 
+4. Measured is what the counted storages occupy when the forward has returned
+   (``SavedActivationReport.resident_bytes``): an output that ``CheckpointWithoutOutput``
+   released ("layernorm", "activation") counts 0 although autograd still references it.
+
+Selective rows beyond the paper ("sel:mlp", "sel:layernorm", "sel:activation", "sel:all", i.e.
+recompute_modules of megatron-core 0.16, "activation" being this package's extension) use the
+same terms minus what the module releases (``_terms``); their formula is marked "derived".
+
 The "unexplained" column is measured - formula - extra; anything but 0 is a finding.
 """
 
@@ -81,10 +90,31 @@ from megatron_core.tensor_parallel import (
 )
 from megatron_core.transformer import TransformerConfig, TransformerLayer
 
-RECOMPUTE = ("none", "selective", "full", "full+distributed")
+# "selective" is megatron-core's default selective mode (core_attn), the paper's; "sel:X" is
+# recompute_modules=[X] ("all": core_attn, mlp, layernorm, activation).
+RECOMPUTE = (
+    "none",
+    "selective",
+    "sel:mlp",
+    "sel:layernorm",
+    "sel:activation",
+    "sel:all",
+    "full",
+    "full+distributed",
+)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_CONFIGS = ("128,2,128,8", "256,1,256,16")
-_SELECTIVE = {"selective": "selective"}
+_ALL_MODULES = ["core_attn", "mlp", "layernorm", "activation"]
+
+
+def recompute_modules(recompute: str) -> list[str] | None:
+    """The config's recompute_modules for a selective row, None for the others."""
+    if recompute == "selective":
+        return ["core_attn"]
+    if recompute.startswith("sel:"):
+        name = recompute[4:]
+        return list(_ALL_MODULES) if name == "all" else [name]
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,39 +133,65 @@ class Case:
 # --- formulas ----------------------------------------------------------------------------------
 
 
+def _terms(modules: list[str], act: int, mask: int) -> tuple[int, int, bool]:
+    """(bytes per sbh kept whole under TP, bytes per sbh split by TP, core attention kept).
+
+    The paper's terms (module doc) minus what each selective module releases: "mlp" the gelu
+    input and the fc2 input (its own input, the fc1 input, is what the checkpoint keeps);
+    "layernorm" the two LayerNorm outputs (QKV and fc1 inputs; their inputs stay, kept by
+    CheckpointWithoutOutput); "activation" the fc2 input (the gelu input stays); "core_attn"
+    the core attention. The paper derives only none and core_attn; the others follow from
+    the same terms.
+    """
+    whole = {"LayerNorm inputs": 2 * act, "QKV input": act, "fc1 input": act, "masks": 2 * mask}
+    split = {"Q K V, projection input": 4 * act, "gelu input": 4 * act, "fc2 input": 4 * act}
+    if "mlp" in modules:
+        del split["gelu input"], split["fc2 input"]
+    if "layernorm" in modules:
+        del whole["QKV input"], whole["fc1 input"]
+    if "activation" in modules:
+        split.pop("fc2 input", None)
+    return sum(whole.values()), sum(split.values()), "core_attn" not in modules
+
+
 def formula_bytes(case: Case, act: int, mask: int) -> float:
     """Korthikanti et al.'s bytes per layer with ``act`` / ``mask`` bytes per element (doc)."""
     s, b, h, a, t = case.s, case.b, case.h, case.a, case.tp
     sbh = s * b * h
     if case.recompute.startswith("full"):
         return act * sbh / (t if case.sp or case.recompute == "full+distributed" else 1)
-    if case.sp:
-        linear = (16 * act + 2 * mask) * sbh / t
-    else:
-        linear = (4 * act + 2 * mask) * sbh + 12 * act * sbh / t
-    core = 0 if case.recompute == "selective" else (2 * act + mask) * a * s * s * b / t
+    whole, split, core_kept = _terms(recompute_modules(case.recompute) or [], act, mask)
+    linear = (whole + split) * sbh / t if case.sp else whole * sbh + split * sbh / t
+    core = (2 * act + mask) * a * s * s * b / t if core_kept else 0
     return linear + core
 
 
 def paper_formula(case: Case) -> str:
-    """The row's formula as the paper writes it (16-bit constants)."""
+    """The row's formula with the paper's 16-bit constants ("derived": not in the paper)."""
     if case.recompute.startswith("full"):
         split = case.sp or case.recompute == "full+distributed"
         return "2sbh/t" if split else "2sbh"
+    whole, split, core_kept = _terms(recompute_modules(case.recompute) or [], 2, 1)
+    core = "+5as/(ht)" if core_kept else ""
     if case.tp == 1 and not case.sp:
-        return "sbh(34+5as/h)" if case.recompute == "none" else "34sbh"
-    if case.sp:
-        return "sbh(34/t+5as/(ht))" if case.recompute == "none" else "34sbh/t"
-    return "sbh(10+24/t+5as/(ht))" if case.recompute == "none" else "sbh(10+24/t)"
+        text = f"sbh({whole + split}{core.replace('/(ht)', '/h')})"
+    elif case.sp:
+        text = f"sbh({whole + split}/t{core})"
+    else:
+        text = f"sbh({whole}+{split}/t{core})"
+    return text if case.recompute in ("none", "selective") else f"{text} derived"
 
 
 def extra_bytes(case: Case, act: int, stats_per_token: int) -> dict[str, int]:
     """What the implementation keeps beyond the formula, by cause (rules 1-3 of the module doc)."""
     if case.recompute.startswith("full"):
         return {}
+    modules = recompute_modules(case.recompute) or []
     tokens = case.s * case.b // (case.tp if case.sp else 1)
-    extra = {"LayerNorm statistics": 2 * stats_per_token * tokens}  # rule 1: two LayerNorms
-    if case.recompute == "none":
+    extra = {}
+    if "layernorm" not in modules:  # rule 1: two LayerNorms (recomputed ones keep nothing)
+        extra["LayerNorm statistics"] = 2 * stats_per_token * tokens
+    if "core_attn" not in modules:
         extra["causal mask"] = case.s * case.s  # rule 2: bool [s, s]
         upcast = (4 - act) * case.a * case.s * case.s * case.b // case.tp  # rule 3
         if upcast:
@@ -169,7 +225,8 @@ def _build_layer(case: Case, dtype: torch.dtype, dropout: float) -> TransformerL
         tensor_model_parallel_size=case.tp,
         sequence_parallel=case.sp,
         params_dtype=dtype,
-        recompute_granularity="full" if full else _SELECTIVE.get(case.recompute),
+        recompute_granularity="full" if full else recompute_modules(case.recompute) and "selective",
+        recompute_modules=recompute_modules(case.recompute),
         recompute_method="uniform" if full else None,
         recompute_num_layers=1 if full else None,
         distribute_saved_activations=case.recompute == "full+distributed" or None,
@@ -196,8 +253,9 @@ def measure_layer_bytes(case: Case, dtype: torch.dtype, dropout: float) -> int:
             )
         else:
             out = layer(hidden)
+        kept = report.resident_bytes()  # what outlives the forward (rule 4 of the module doc)
     out.float().sum().backward()  # proves the layout runs end to end; frees the graph
-    return report.total_bytes
+    return kept
 
 
 def measure_rank(configs: list[tuple[int, int, int, int]], dtype_name: str, dropout: float):

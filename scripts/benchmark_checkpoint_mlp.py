@@ -119,7 +119,7 @@ def _memory(blocks, x0: torch.Tensor, mode: str) -> tuple[int, int]:
 def run(args, threads: int) -> str:
     """Time every mode at ``threads`` torch threads; the markdown table."""
     torch.set_num_threads(threads)
-    model_parallel_cuda_manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234, tp_rank=0)  # one process, no parallel_state
     blocks = _build(args)
     x0 = torch.randn(args.tokens, args.hidden)
     names = list(MODES)

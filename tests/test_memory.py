@@ -232,3 +232,20 @@ def test_accelerator_tensors_are_counted_by_device():
     assert by_device == {where.type: 12 * F32, "cpu": 12 * F32}
     y.backward()
     assert report.held_bytes == 0
+
+
+def test_resident_bytes_see_an_output_released_until_backward():
+    from megatron_core.tensor_parallel import CheckpointWithoutOutput
+
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(64, 8, requires_grad=True)
+    with count_saved_activations(ignore=lin.parameters()) as report:
+        ckpt = CheckpointWithoutOutput()
+        act = ckpt.checkpoint(torch.nn.functional.gelu, x * 2.0)
+        out = lin(act)  # saves act
+        before = report.resident_bytes()
+        ckpt.discard_output_and_register_recompute(out)
+    assert before == report.held_bytes == report.total_bytes
+    assert report.resident_bytes() == before - act.numel() * 4  # fp32: 4 bytes per element
+    out.sum().backward()
+    assert report.held_bytes == 0 and report.resident_bytes() == 0

@@ -87,6 +87,15 @@ def storage_key_and_nbytes(t: torch.Tensor) -> tuple[_Key | None, int]:
     return (str(t.device), pointer), nbytes
 
 
+def _weak_storage(t: torch.Tensor) -> Callable[[], Any]:
+    """A weak reference to ``t``'s storage (torch keeps a storage's Python object alive as long
+    as the storage lives), or a callable returning None where there is none."""
+    try:
+        return weakref.ref(t.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return lambda: None
+
+
 class _Packed:
     """What the graph holds instead of a saved tensor while the counter is active."""
 
@@ -115,6 +124,7 @@ class SavedActivationReport:
         self.peak_held_bytes = 0
         self._held = 0
         self._live: dict[_Key, list[int]] = {}  # key -> [nbytes, number of live references]
+        self._storages: dict[_Key, Callable[[], Any]] = {}  # key -> weak ref to the storage
         self._regions: list[str] = []
         self._ignored = {storage_key_and_nbytes(t)[0] for t in ignore} - {None}
         self._lock = threading.RLock()  # a finalizer may run during a locked section
@@ -160,9 +170,16 @@ class SavedActivationReport:
             key = ("unaddressable", id(owner))
         with self._lock:
             entry = self._live.get(key)
+            if entry is not None and not self._same_storage(key, t):
+                # The address was released (CheckpointWithoutOutput resizes a storage to 0) and
+                # reused by another storage while the first is still referenced: not a view of
+                # it, so it counts on its own.
+                key = (*key, id(t.untyped_storage()))
+                entry = self._live.get(key)
             if entry is None:
                 entry = self._live[key] = [nbytes, 0]
                 self._add_new(nbytes, str(t.device))
+                self._storages[key] = _weak_storage(t)
             entry[1] += 1
         weakref.finalize(owner, self._release, key, entry)
 
@@ -182,6 +199,25 @@ class SavedActivationReport:
                 self._held -= entry[0]
                 if self._live.get(key) is entry:
                     del self._live[key]
+                    self._storages.pop(key, None)
+
+    def _same_storage(self, key: _Key, t: torch.Tensor) -> bool:
+        storage = self._storages.get(key, lambda: None)()
+        try:
+            return storage is None or storage is t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return True
+
+    def resident_bytes(self) -> int:
+        """Bytes the held storages occupy now: :attr:`held_bytes`, less what was released
+        since it was saved (``CheckpointWithoutOutput`` resizes an output's storage to 0 until
+        backward recomputes it). A storage whose size cannot be read now counts as saved."""
+        with self._lock:
+            total = 0
+            for key, entry in self._live.items():
+                storage = self._storages.get(key, lambda: None)()
+                total += entry[0] if storage is None else storage.nbytes()
+            return total
 
     def __repr__(self) -> str:
         return (
