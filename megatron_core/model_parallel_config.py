@@ -178,12 +178,11 @@ class ModelParallelConfig:
     def __post_init__(self) -> None:
         self._check_values()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            warnings.warn(
-                "ModelParallelConfig: sequence_parallel is True but tensor_model_parallel_size "
-                "is 1; disabling sequence parallelism",
-                stacklevel=3,
+            raise ConfigError(
+                "ModelParallelConfig: sequence_parallel=True needs tensor_model_parallel_size > 1 "
+                "(got 1); sequence parallelism splits activations across tensor-parallel ranks "
+                "(megatron-core 0.16 raises here too)"
             )
-            self.sequence_parallel = False
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:

@@ -2,8 +2,8 @@
 
 Every rank builds the same full logits [s, b, V] and targets from fixed seeds, keeps its vocabulary
 slice, and compares loss and gradient with torch's per-token loss (reduction="none") on the full
-logits, for label_smoothing in {0, 0.1} x ignore_index absent / present (out of vocabulary, -100,
-and inside the vocabulary).
+logits (megatron-core's smoothing e is torch's e * V / (V - 1)), for label_smoothing in {0, 0.1}
+x ignore_index absent / present (out of vocabulary, -100, and inside the vocabulary).
 """
 
 import pytest
@@ -39,11 +39,12 @@ def _inputs(dtype, ignore_index, n_ignored):
 
 
 def _reference(logits, target, grad, eps, ignore_index):
+    # megatron-core's smoothing (e / (V - 1) on each non-target class) = torch's e * V / (V - 1).
     full = logits.detach().float().requires_grad_()
     loss = F.cross_entropy(
         full.flatten(0, 1),
         target.flatten(),
-        label_smoothing=eps,
+        label_smoothing=eps * V / (V - 1),
         ignore_index=ignore_index,
         reduction="none",
     ).view(S, B)
@@ -84,6 +85,8 @@ def _check_errors(w):
         vocab_parallel_cross_entropy(logits, target.float())
     with pytest.raises(MegatronCoreError, match=r"label_smoothing \(1.5\)"):
         vocab_parallel_cross_entropy(logits, target, label_smoothing=1.5)
+    with pytest.raises(MegatronCoreError, match=r"label_smoothing \(1.0\) must be in \[0, 1\)"):
+        vocab_parallel_cross_entropy(logits, target, label_smoothing=1.0)
     bad = target.clone()
     bad[0, 0] = V
     with pytest.raises(MegatronCoreError, match=rf"\[{V}\] are outside \[0, vocab size \({V}\)\)"):
@@ -105,3 +108,23 @@ def _body(tp_sizes, dtype_name):
 def test_matches_torch_cross_entropy(world_size, dtype_name):
     results = run_distributed(_body, world_size, CONFIGS[world_size], dtype_name, timeout=120)
     assert results == [True] * world_size
+
+
+def test_label_smoothing_is_megatron_cores_definition():
+    """From the definition: the target keeps 1 - e, every other class gets e / (V - 1)."""
+    run_distributed(_smoothing_definition, 1)
+
+
+def _smoothing_definition():
+    ps.initialize_model_parallel()
+    eps = 0.2
+    logits, target, _ = _inputs(torch.float32, -100, 0)
+    log_probs = logits.log_softmax(-1)
+    weights = torch.full_like(logits, eps / (V - 1))
+    weights.scatter_(-1, target.unsqueeze(-1), 1.0 - eps)
+    expected = -(weights * log_probs).sum(-1)
+    loss = vocab_parallel_cross_entropy(logits.clone(), target, eps)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    # torch's own convention (e / V on every class) differs: the test can tell them apart.
+    torch_loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=eps)
+    assert not torch.allclose(loss.mean(), torch_loss, rtol=1e-5, atol=1e-6)

@@ -574,9 +574,8 @@ def test_config_rejects_bad_values(kwargs, needle):
 
 
 def test_config_sequence_parallel_needs_tensor_parallelism():
-    with pytest.warns(UserWarning, match="disabling sequence parallelism"):
-        cfg = ModelParallelConfig(sequence_parallel=True)
-    assert not cfg.sequence_parallel
+    with pytest.raises(ValueError, match=r"needs tensor_model_parallel_size > 1 \(got 1\)"):
+        ModelParallelConfig(sequence_parallel=True)
     assert ModelParallelConfig(
         tensor_model_parallel_size=2, sequence_parallel=True
     ).sequence_parallel

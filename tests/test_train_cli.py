@@ -138,7 +138,7 @@ def test_ctrl_c_stops_every_process_within_seconds_with_one_line(tmp_path):
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
     start = time.monotonic()
     status = process.wait(timeout=30)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 15  # 5 s grace at most, plus a loaded machine
     assert status == 130
     text = log.read_text()
     assert text.strip().splitlines()[-1] == "train_gpt.py: interrupted (SIGINT); stopped", text
@@ -151,7 +151,7 @@ def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
     assert len(ranks) == 2
     process.kill()  # SIGKILL: the launcher cannot clean up; the ranks' watch must notice
     process.wait()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 30  # the watch polls twice a second; a loaded machine
     while _alive(ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(ranks), log.read_text()

@@ -8,17 +8,14 @@ per-rank values, so no rank ever materializes the full vocabulary:
 2. ``z_t - m``, the target's shifted logit, contributed by the rank that owns the target;
 3. ``sum_j exp(z_j - m)`` and, with label smoothing, ``sum_j (z_j - m)`` (one all-reduce SUM).
 
-With ``lse = log(sum_j exp(z_j - m))`` and smoothing ``e`` over ``V`` classes, the loss is
-torch's: ``(1 - e) * (lse - (z_t - m)) + e * (lse - sum_j (z_j - m) / V)``, i.e. ``e / V`` of the
-probability mass on every class, the target included. Its gradient is
-``softmax_j - (1 - e) * [j == t] - e / V``, computed from this rank's slice only. Tokens whose
-target is ``ignore_index`` get loss 0 and gradient 0. All arithmetic is fp32.
-
-Difference from megatron-core: its label smoothing puts ``e / (V - 1)`` on every class except the
-target (it rescales ``e`` by ``V / (V - 1)``), so for ``label_smoothing > 0`` its loss is
-torch's minus ``e / (V - 1) * ((lse - (z_t - m)) - (lse - sum_j (z_j - m) / V))``. This function
-follows torch, as documented above; megatron-core has no ``ignore_index``. With
-``label_smoothing = 0`` the two agree.
+With ``lse = log(sum_j exp(z_j - m))`` and ``label_smoothing = e`` over ``V`` classes, the loss is
+megatron-core's: the target keeps ``1 - e`` of the probability mass and every other class gets
+``e / (V - 1)``. Written with ``s = e * V / (V - 1)`` this is
+``(1 - s) * (lse - (z_t - m)) + s * (lse - sum_j (z_j - m) / V)`` -- torch's
+``F.cross_entropy(..., label_smoothing=s)`` -- and its gradient is
+``softmax_j - (1 - s) * [j == t] - s / V``, computed from this rank's slice only. Tokens whose
+target is ``ignore_index`` (a keyword-only extension; megatron-core has none) get loss 0 and
+gradient 0. All arithmetic is fp32. With ``label_smoothing = 0`` it is plain cross entropy.
 """
 
 from __future__ import annotations
@@ -43,9 +40,9 @@ def _check(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float) -
         raise MegatronCoreError(
             f"vocab_parallel_cross_entropy: target dtype ({target.dtype}) must be an integer type"
         )
-    if not 0.0 <= label_smoothing <= 1.0:
+    if not 0.0 <= label_smoothing < 1.0:
         raise MegatronCoreError(
-            f"vocab_parallel_cross_entropy: label_smoothing ({label_smoothing}) must be in [0, 1]"
+            f"vocab_parallel_cross_entropy: label_smoothing ({label_smoothing}) must be in [0, 1)"
         )
     if logits.size(-1) < 1:
         raise MegatronCoreError(
@@ -144,6 +141,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
             partition, rank, world_size
         )
+        if label_smoothing > 0:
+            # megatron-core's convention: e / (V - 1) on each non-target class (module doc).
+            label_smoothing = label_smoothing * vocab_size / max(vocab_size - 1, 1)
         ignored = target == ignore_index
         # Targets may differ between ranks (a user error): a rank that finds a bad one shares
         # it, so every rank raises and none waits in the all-reduce below (issue 15, point 2).
@@ -210,15 +210,17 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Per-token cross entropy of vocab-parallel logits, as torch computes it on the full logits.
 
-    Matches ``torch.nn.functional.cross_entropy(full_logits.flatten(0, -2), target.flatten(),
-    label_smoothing=label_smoothing, ignore_index=ignore_index, reduction="none")`` reshaped to
-    ``target.shape`` (see the module doc for the formula); computed in fp32.
+    Matches megatron-core's ``vocab_parallel_cross_entropy``: without smoothing,
+    ``torch.nn.functional.cross_entropy(full_logits.flatten(0, -2), target.flatten(),
+    ignore_index=ignore_index, reduction="none")`` reshaped to ``target.shape``; with smoothing
+    ``e``, the same with torch's ``label_smoothing=e * V / (V - 1)`` (module doc); computed in fp32.
 
     Args:
         vocab_parallel_logits: ``[..., V / tp]``, this rank's slice of the vocabulary (rank order).
         target: ``[...]`` global token ids in ``[0, V)`` or ``ignore_index``; the same on every
             rank of the group.
-        label_smoothing: probability mass spread uniformly over all ``V`` classes, in [0, 1].
+        label_smoothing: probability mass the target gives up, spread as ``e / (V - 1)`` over the
+            other classes (megatron-core's convention), in [0, 1).
         ignore_index: target value whose tokens get loss 0 and gradient 0 (torch's default -100).
         group: the process group splitting the vocabulary; default the tensor-model-parallel group.
 
@@ -227,7 +229,7 @@ def vocab_parallel_cross_entropy(
 
     Raises:
         MegatronCoreError: for mismatched shapes, a non-integer target, a target outside the
-            vocabulary, or label_smoothing outside [0, 1].
+            vocabulary, or label_smoothing outside [0, 1).
     """
     group = parallel_state.get_tensor_model_parallel_group() if group is None else group
     consistency.check_collective(

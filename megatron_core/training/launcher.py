@@ -136,6 +136,10 @@ def _run_rank(prog: str, main: Callable[[], int], debug: bool) -> None:
     _exit(status)
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _launch_ranks(prog: str, script: str, argv: Sequence[str], nproc: int) -> int:
     """Start ``nproc`` ranks of ``script`` and wait; see NOTE [ Clean exits ], rule 5."""
     rendezvous_dir = tempfile.mkdtemp(prefix="megatron_core_launch_")
@@ -149,7 +153,11 @@ def _launch_ranks(prog: str, script: str, argv: Sequence[str], nproc: int) -> in
     env.setdefault("OMP_NUM_THREADS", "1")
     ranks = [
         subprocess.Popen(
-            [sys.executable, script, *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+            [sys.executable, script, *argv],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            # A rank ignores Ctrl-C until _Signals is installed (a KeyboardInterrupt while it
+            # imports torch would print a traceback); this launcher then stops it (rule 5).
+            preexec_fn=_ignore_sigint,
         )
         for r in range(nproc)
     ]

@@ -122,7 +122,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
 def model_config(args: argparse.Namespace) -> TransformerConfig:
     """The TransformerConfig of ``args`` (validated). Weights are drawn full on the CPU, so a
     run's starting point does not depend on the tensor-parallel size. ``--sequence-parallel``
-    with a tensor-parallel size of 1 is switched off with a warning (by ModelParallelConfig).
+    with a tensor-parallel size of 1 is switched off with a warning (as Megatron-LM's argument
+    checks do; ModelParallelConfig itself refuses that combination, as megatron-core's does).
 
     Raises:
         MegatronCoreError: the TP size is still None (call ``validate_args`` first) or the
@@ -133,12 +134,19 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
             "model_config: tensor_model_parallel_size is None; validate_args(args, world_size) "
             "chooses it"
         )
+    sequence_parallel = args.sequence_parallel
+    if sequence_parallel and args.tensor_model_parallel_size == 1:
+        warnings.warn(
+            "--sequence-parallel with a tensor-parallel size of 1: disabling sequence parallelism",
+            stacklevel=2,
+        )
+        sequence_parallel = False
     return TransformerConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
         pipeline_dtype=_pipeline_dtype(args),
-        sequence_parallel=args.sequence_parallel,
+        sequence_parallel=sequence_parallel,
         use_cpu_initialization=True,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
