@@ -18,11 +18,12 @@ reinterpret bytes. This module gives the package two primitives and a switch:
   explicit ``MEGATRON_CORE_CHECK_CONSISTENCY=0`` wins). In check mode every collective the package
   issues first calls :func:`check_collective` (an :func:`agree` on its inputs).
 
-Cost of check mode: one extra 128-byte all_gather (times the group size) per collective, plus a
-few microseconds of Python; it is a latency cost, independent of the tensor size. Measured with
-``scripts/benchmark_consistency.py`` (BENCHMARKS.md, "Consistency check"): on gloo / CPU, 2 ranks,
-a checked small all-reduce takes about 2x an unchecked one (one more round trip); for a 4 MiB
-all-reduce the check adds a few percent.
+Cost of check mode: one extra 128-byte all_gather (per rank) before each collective, plus a few
+microseconds of Python; a latency cost, independent of the tensor size. Measured with
+``scripts/benchmark_consistency.py`` (BENCHMARKS.md, "Consistency check"; gloo / CPU, loaded
+2-core VM): a checked small all-reduce takes 2.0x an unchecked one at 2 ranks (1.6x at 4), a
+4 MiB one 1.16x (1.32x at 4); torch's DETAIL wrapper took 5.7x / 1.6x in the same runs. With
+check mode off the hook costs about 0.25 us per collective.
 
 torch's own machinery: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps the groups created
 while it is set and compares a fingerprint (op type, shapes, dtypes) before each raw collective,
@@ -51,13 +52,15 @@ import functools
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from megatron_core import _consistency_text as _text
 from megatron_core.errors import MegatronCoreError
+
+describe_group = _text.describe_group  # public: "the tensor-model-parallel group (...)"
 
 __all__ = [
     "CHECK_ENV",
@@ -147,62 +150,6 @@ def check_mode(enabled: bool = True) -> Iterator[None]:
         set_enabled(previous)
 
 
-# --- naming ----------------------------------------------------------------------------------
-
-_KIND_NAMES = {
-    "tp": "tensor-model-parallel",
-    "pp": "pipeline-model-parallel",
-    "dp": "data-parallel",
-    "dp-cp": "data-parallel (with context parallel)",
-    "cp": "context-parallel",
-    "mp": "model-parallel",
-    "ep": "expert-model-parallel",
-}
-
-
-def describe_group(group: dist.ProcessGroup | None) -> str:
-    """A readable name: "the tensor-model-parallel group (global ranks [0, 1])"."""
-    if group is None or group is dist.group.WORLD:
-        size = dist.get_world_size()
-        ranks = list(range(size)) if size <= 16 else f"0..{size - 1}"
-        return f"the default (WORLD) group (global ranks {ranks})"
-    try:
-        ranks = dist.get_process_group_ranks(group)
-    except (RuntimeError, ValueError):
-        return f"process group {group!r}"
-    kinds = []
-    try:
-        from megatron_core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            groups = getattr(parallel_state.get_parallel_state(), "groups", {})
-            kinds = [kind for kind, pg in groups.items() if pg is group]
-    except Exception:  # naming must never fail the error it names
-        kinds = []
-    if not kinds:
-        return f"the process group of global ranks {ranks}"
-    known = [kind for kind in _KIND_NAMES if kind in kinds]  # tensor-model-parallel first
-    names = [_KIND_NAMES[kind] for kind in known] or sorted(kinds)
-    return f"the {' / '.join(names[:2])} group (global ranks {ranks})"
-
-
-def _call_site() -> str:
-    """The package functions on the stack, outermost first (error path only)."""
-    names = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        qualname = frame.f_code.co_qualname
-        if (
-            module.startswith("megatron_core.")
-            and module not in (__name__, "megatron_core.testing", "megatron_core._testing_worker")
-            and (not qualname.startswith("_") or qualname.endswith((".forward", ".backward")))
-        ):
-            names.append(qualname)
-        frame = frame.f_back
-    return " > ".join(reversed(names[:4])) or "(outside megatron_core)"
-
-
 # --- the exchange ----------------------------------------------------------------------------
 
 
@@ -256,22 +203,6 @@ def _descriptor(op, tensor, shape, dtype, args, failed: bool) -> list[int]:
     return values + [0] * (_SLOTS - len(values))
 
 
-def _readable(op, tensor, shape, dtype, args, error) -> dict[str, str]:
-    if tensor is not None:
-        shape = tuple(tensor.shape) if shape is None else shape
-        dtype = tensor.dtype if dtype is None else dtype
-    fields = {"op": op}
-    if shape is not None:
-        fields["shape"] = str(tuple(int(d) for d in shape))
-    if dtype is not None:
-        fields["dtype"] = str(dtype)
-    fields.update({name: repr(value) for name, value in sorted(args.items())})
-    fields["call site"] = _call_site()
-    if error is not None:
-        fields["error"] = f"{type(error).__name__}: {error}"
-    return fields
-
-
 def agree(
     op: str,
     group: dist.ProcessGroup,
@@ -304,49 +235,14 @@ def agree(
             raise error
         return
     if content is not None:
-        args = {**args, "content checksum": _checksum(content)}
+        args = {**args, "content checksum": _text.checksum(content)}
     table = _exchange(_descriptor(op, tensor, shape, dtype, args, error is not None), group)
     failed = bool(table[:, _FAILED_SLOT].any())
     if not failed and bool((table == table[0]).all()):
         return
-    readable = json.dumps(_readable(op, tensor, shape, dtype, args, error))
+    readable = json.dumps(_text.readable(op, tensor, shape, dtype, args, error))
     per_rank = [json.loads(text) for text in _exchange_text(readable, group)]
-    raise RankDisagreementError(_message(op, group, per_rank)) from error
-
-
-def _message(op: str, group: dist.ProcessGroup, per_rank: list[dict[str, str]]) -> str:
-    ranks = dist.get_process_group_ranks(group) if group is not dist.group.WORLD else None
-    ranks = ranks or list(range(len(per_rank)))
-
-    def who(index: int) -> str:
-        return f"rank {index} (global rank {ranks[index]})"
-
-    where = describe_group(group)
-    ops = list(dict.fromkeys(fields["op"] for fields in per_rank))
-    op = ops[0] if len(ops) == 1 else "a collective (the ranks are in different ones)"
-    failures = [(r, fields["error"]) for r, fields in enumerate(per_rank) if "error" in fields]
-    if failures:
-        found = "; ".join(f"{who(r)}: {text}" for r, text in failures)
-        return (
-            f"{op} failed on {len(failures)} of the {len(per_rank)} ranks of {where} (every rank "
-            f"raises this error): {found}"
-        )
-    names = list(dict.fromkeys(name for fields in per_rank for name in fields))
-    differ = [
-        name
-        for name in names
-        if name != "call site" and len({fields.get(name, "-") for fields in per_rank}) > 1
-    ]
-    if "op" in differ:
-        differ.append("call site")
-    parts = [
-        f"{name}: "
-        + ", ".join(f"{who(r)} = {fields.get(name, '-')}" for r, fields in enumerate(per_rank))
-        for name in differ
-    ]
-    return f"consistency check failed before {op} on {where}: the ranks disagree on " + (
-        "; ".join(parts) or "an argument hash"
-    )
+    raise RankDisagreementError(_text.message(op, group, per_rank)) from error
 
 
 def check_collective(
@@ -380,15 +276,6 @@ def check_ids(op: str, group: dist.ProcessGroup, ids: torch.Tensor, limit: int) 
     agree(op, group, ids, error=error, content=ids, limit=limit)
 
 
-def _checksum(tensor: torch.Tensor) -> str:
-    """Sum and position-weighted sum of the values (weights 1..1009): equal tensors give equal
-    checksums; a changed or moved value almost surely changes one."""
-    flat = tensor.detach().reshape(-1)
-    flat = flat.double() if flat.is_floating_point() or flat.is_complex() else flat.long()
-    weights = torch.arange(flat.numel(), device=flat.device) % 1009 + 1
-    return f"{flat.sum().item()!r}/{(flat * weights).sum().item()!r}"
-
-
 @contextlib.contextmanager
 def agreed_errors(op: str, group: dist.ProcessGroup) -> Iterator[None]:
     """Run local checks in the block; an exception raised there on any rank is raised, as one
@@ -413,7 +300,7 @@ def collective_failed(op: str, group: dist.ProcessGroup | None, exc: BaseExcepti
         hint = " (a peer did not enter the collective within the group timeout)"
     elif "Detected mismatch between collectives" in text:
         hint = " (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL check found the ranks in different calls)"
-    return CollectiveError(f"{op} on {describe_group(group)} failed{hint}: {text}")
+    return CollectiveError(f"{op} on {_text.describe_group(group)} failed{hint}: {text}")
 
 
 def agreed_splits(
@@ -457,7 +344,7 @@ def agreed_splits(
         for i, j in pairs[:8]
     )
     raise RankDisagreementError(
-        f"{op} on {describe_group(group)}: the split sizes do not match across the ranks "
+        f"{op} on {_text.describe_group(group)}: the split sizes do not match across the ranks "
         f"(input_split_sizes of every rank: {sent.tolist()}, output_split_sizes: "
         f"{expected.tolist()}): {found}"
     )

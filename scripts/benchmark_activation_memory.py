@@ -65,6 +65,11 @@ recompute_modules of megatron-core 0.16, "activation" being this package's exten
 same terms minus what the module releases (``_terms``); their formula is marked "derived".
 
 The "unexplained" column is measured - formula - extra; anything but 0 is a finding.
+
+Step time ("step ms", "step / none"; ``--time-rounds``, 0 to skip): one forward + backward of
+the layer per mode per round, modes in an order rotated from round to round after a warm-up
+round; the median time on rank 0 and the median of the per-round ratios to "none" of the same
+shape and layout. On a shared machine read only the ratios.
 """
 
 from __future__ import annotations
@@ -72,8 +77,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -234,44 +241,84 @@ def _build_layer(case: Case, dtype: torch.dtype, dropout: float) -> TransformerL
     return TransformerLayer(config)
 
 
+def _input(case: Case, dtype: torch.dtype) -> torch.Tensor:
+    rows = case.s // case.tp if case.sp else case.s
+    return torch.randn(
+        rows, case.b, case.h, device=device.current_device(), dtype=dtype, requires_grad=True
+    )
+
+
+def _forward(layer: TransformerLayer, case: Case, hidden: torch.Tensor) -> torch.Tensor:
+    """The layer's forward as TransformerBlock runs it in this recompute mode."""
+    if not case.recompute.startswith("full"):
+        return layer(hidden)
+    config = layer.config
+    return checkpoint_layer_stack(
+        [layer],
+        hidden,
+        recompute_method=config.recompute_method,
+        recompute_num_layers=config.recompute_num_layers,
+        distribute_saved_activations=bool(config.distribute_saved_activations),
+    )
+
+
 def measure_layer_bytes(case: Case, dtype: torch.dtype, dropout: float) -> int:
     """Bytes one forward of one layer keeps for backward on this rank (parameters excluded)."""
     layer = _build_layer(case, dtype, dropout)
-    rows = case.s // case.tp if case.sp else case.s
-    hidden = torch.randn(
-        rows, case.b, case.h, device=device.current_device(), dtype=dtype, requires_grad=True
-    )
-    config = layer.config
+    hidden = _input(case, dtype)
     with count_saved_activations(ignore=layer.parameters()) as report:
-        if case.recompute.startswith("full"):
-            out = checkpoint_layer_stack(
-                [layer],
-                hidden,
-                recompute_method=config.recompute_method,
-                recompute_num_layers=config.recompute_num_layers,
-                distribute_saved_activations=bool(config.distribute_saved_activations),
-            )
-        else:
-            out = layer(hidden)
+        out = _forward(layer, case, hidden)
         kept = report.resident_bytes()  # what outlives the forward (rule 4 of the module doc)
     out.float().sum().backward()  # proves the layout runs end to end; frees the graph
     return kept
 
 
-def measure_rank(configs: list[tuple[int, int, int, int]], dtype_name: str, dropout: float):
-    """Per-rank body: every case of this TP size; returns [(Case, bytes)] plus the probes."""
+def time_cases(cases: list[Case], dtype: torch.dtype, dropout: float, rounds: int):
+    """Case -> (median forward + backward ms, median of per-round ratios to "none").
+
+    One layer per case; every round times one step of each, in an order rotated from round to
+    round (the same on every rank: the steps' collectives must match), after a warm-up round.
+    """
+    layers = {case: _build_layer(case, dtype, dropout) for case in cases}
+    times: dict[Case, list[float]] = {case: [] for case in cases}
+    for r in range(rounds + 1):
+        for case in cases[r % len(cases) :] + cases[: r % len(cases)]:
+            hidden = _input(case, dtype)
+            start = time.perf_counter()
+            _forward(layers[case], case, hidden).float().sum().backward()
+            if r:
+                times[case].append(time.perf_counter() - start)
+    none = next(c for c in cases if c.recompute == "none")
+    return {
+        case: (
+            statistics.median(t) * 1e3,
+            statistics.median(a / b for a, b in zip(t, times[none])),
+        )
+        for case, t in times.items()
+    }
+
+
+def measure_rank(
+    configs: list[tuple[int, int, int, int]], dtype_name: str, dropout: float, rounds: int
+):
+    """Per-rank body: every case of this TP size; returns [(Case, bytes)], the probes and the
+    step times (:func:`time_cases`; empty with ``rounds`` 0)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     model_parallel_cuda_manual_seed(1234)
     dtype = DTYPES[dtype_name]
-    rows = []
+    rows, timings = [], {}
     for s, b, h, a in configs:
         for sp in (False, True) if tp > 1 else (False,):
-            for recompute in RECOMPUTE:
-                if sp and recompute == "full+distributed":
-                    continue  # megatron-core forbids it: SP inputs are already split
-                case = Case(s, b, h, a, tp, sp, recompute)
-                rows.append((case, measure_layer_bytes(case, dtype, dropout)))
-    return rows, probe_bytes_per_element(dtype)
+            cases = [
+                Case(s, b, h, a, tp, sp, recompute)
+                for recompute in RECOMPUTE
+                # megatron-core forbids full+distributed with SP: SP inputs are already split
+                if not (sp and recompute == "full+distributed")
+            ]
+            rows += [(case, measure_layer_bytes(case, dtype, dropout)) for case in cases]
+            if rounds:
+                timings.update(time_cases(cases, dtype, dropout, rounds))
+    return rows, probe_bytes_per_element(dtype), timings
 
 
 # --- launching ---------------------------------------------------------------------------------
@@ -333,12 +380,13 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def result_table(results, act: int, mask: int, stats: int) -> tuple[str, list[str]]:
+def result_table(results, act, mask, stats, timings) -> tuple[str, list[str]]:
     """The markdown table and one explanation line per row off by more than 5%."""
     header = ["s", "b", "h", "a", "t", "SP", "recompute", "measured B", "formula B", "ratio",
-              "paper", "extra B", "unexplained B"]  # fmt: skip
+              "paper", "extra B", "unexplained B", "step ms", "step / none"]  # fmt: skip
     rows, notes = [], []
     for case, measured in results:
+        step_ms, step_ratio = timings.get(case, (float("nan"), float("nan")))
         formula = formula_bytes(case, act, mask)
         extra = extra_bytes(case, act, stats)
         ratio = measured / formula
@@ -346,7 +394,7 @@ def result_table(results, act: int, mask: int, stats: int) -> tuple[str, list[st
         rows.append(
             [case.s, case.b, case.h, case.a, case.tp, "on" if case.sp else "off", case.recompute,
              measured, round(formula), f"{ratio:.4f}", paper_formula(case), sum(extra.values()),
-             round(unexplained)]
+             round(unexplained), f"{step_ms:.1f}", f"{step_ratio:.2f}"]
         )  # fmt: skip
         if abs(ratio - 1) > 0.05:
             causes = ", ".join(f"{name} {n} B ({n / formula:.1%})" for name, n in extra.items())
@@ -404,21 +452,27 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument(
+        "--time-rounds", type=int, default=5, help="timed rounds per mode (0: no step times)"
+    )
     args = parser.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
 
-    results, probes = [], set()
+    results, probes, timings = [], set(), {}
     for tp in args.tp:
-        per_rank = run_on_ranks(measure_rank, tp, args.device, configs, args.dtype, args.dropout)
-        for rows, _ in per_rank[1:]:
+        per_rank = run_on_ranks(
+            measure_rank, tp, args.device, configs, args.dtype, args.dropout, args.time_rounds
+        )
+        for rows, _, _ in per_rank[1:]:
             if [m for _, m in rows] != [m for _, m in per_rank[0][0]]:
                 print(f"note: ranks of tp={tp} kept different byte counts; rank 0 is shown")
         results += per_rank[0][0]
         probes.add(per_rank[0][1])
+        timings.update(per_rank[0][2])  # rank 0's clock; the ranks' steps wait on each other
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     (mask, stats), act = probes.pop(), DTYPES[args.dtype].itemsize
-    table, notes = result_table(results, act, mask, stats)
+    table, notes = result_table(results, act, mask, stats, timings)
     title = (
         f"Activation memory per GPT layer, bytes kept for backward on one rank: "
         f"{args.device}, {args.dtype} (B = {act}, dropout mask M = {mask} bytes/element, "

@@ -1,8 +1,18 @@
-"""Shared pytest set-up: the multi-rank harness as a fixture, and pool shutdown at session end."""
+"""Shared pytest set-up: the multi-rank harness as a fixture, and pool shutdown at session end.
+
+The suite runs in check mode (megatron_core.consistency, issue 15): every collective first
+verifies that the ranks agree. Set before any worker starts, so every worker inherits it;
+``MEGATRON_CORE_CHECK_CONSISTENCY=0 python -m pytest tests -q`` runs without it.
+"""
+
+import os
 
 import pytest
 
+from megatron_core import consistency
 from megatron_core.testing import run_distributed, shutdown_pools
+
+os.environ.setdefault(consistency.CHECK_ENV, "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -34,7 +34,7 @@ from megatron_core.tensor_parallel import (
 from megatron_core.tensor_parallel.data import broadcast_data
 from megatron_core.tensor_parallel.mappings import all_to_all
 from megatron_core.tensor_parallel.utils import gather_split_1d_tensor
-from megatron_core.testing import run_distributed
+from megatron_core.testing import run_distributed, shutdown_pools
 
 _GROUP_TIMEOUT_MIN = 0.1  # 6 s: a missed case times out (and fails) instead of hanging
 _LIMIT_S = 10.0
@@ -200,11 +200,9 @@ def _checkpoint_backward_one_rank(tp):
 
 
 def _init_tp_fresh(tp):
-    # A timeout no other case uses: no cached group matches, as in a fresh process (where the
-    # ranks used to hang in new_group).
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1 if _last() else tp, distributed_timeout_minutes=0.1 + tp / 1e4
-    )
+    # Run in fresh worker processes (Case.fresh): no group is cached yet; the ranks used to hang
+    # in new_group here.
+    _init(1 if _last() else tp)
 
 
 def _init_tp_cached(tp):
@@ -243,6 +241,7 @@ class Case:
     always: bool = False  # also raises outside check mode (issue 15, point 2)
     unchecked_fragments: tuple[str, ...] | None = None  # outside check mode, if they differ
     local: bool = False  # raised (or warned) by each rank alone: no group to name
+    fresh: bool = False  # needs fresh worker processes (nothing in the group cache)
 
 
 CASES = {
@@ -250,6 +249,7 @@ CASES = {
         _init_tp_fresh,
         ("initialize_model_parallel", "tensor_model_parallel_size", "= 1", "WORLD"),
         always=True,
+        fresh=True,
     ),
     "init_tp_cached": Case(
         _init_tp_cached,
@@ -345,6 +345,8 @@ def _run_case(name: str, tp: int, check: bool):
 
 
 def _assert_agreed_error(name: str, tp: int, check: bool) -> str:
+    if CASES[name].fresh:
+        shutdown_pools()  # the next call starts new worker processes
     results = run_distributed(_run_case, tp, name, tp, check, timeout=60)
     for rank, (outcome, type_name, is_package_error, message, seconds) in enumerate(results):
         assert outcome == "error", f"rank {rank} returned {type_name}: {message}"

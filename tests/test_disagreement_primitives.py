@@ -216,3 +216,18 @@ def test_dead_peer_gives_a_named_error():
 def test_errors_are_package_errors():
     assert issubclass(RankDisagreementError, MegatronCoreError)
     assert issubclass(CollectiveError, MegatronCoreError)
+
+
+def _is_enabled():
+    return consistency.is_enabled()
+
+
+def test_workers_follow_the_suite_setting():
+    # tests/conftest.py turns check mode on for the whole suite unless the variable says otherwise.
+    expected = os.environ.get(consistency.CHECK_ENV, "").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+    )
+    assert run_distributed(_is_enabled, 2, timeout=60) == [expected, expected]

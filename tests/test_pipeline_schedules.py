@@ -224,6 +224,10 @@ PAPER_1F1B = {
 PAPER_INTERLEAVED = {
     0: "F1a F2a F3a F4a F1b F2b F3b F4b F5a F6a F7a B1b F8a B2b F5b B3b F6b B4b F7b B1a F8b B2a "
     "B3a B4a B5b B6b B7b B8b B5a B6a B7a B8a",
+    1: "F1a F2a F3a F4a F1b F2b F3b F4b F5a B1b F6a B2b F7a B3b F8a B4b F5b B1a F6b B2a F7b B3a "
+    "F8b B4a B5b B6b B7b B8b B5a B6a B7a B8a",
+    2: "F1a F2a F3a F4a F1b F2b F3b B1b F4b B2b F5a B3b F6a B4b F7a B1a F8a B2a F5b B3a F6b B4a "
+    "F7b B5b F8b B6b B7b B8b B5a B6a B7a B8a",
     3: "F1a F2a F3a F4a F1b B1b F2b B2b F3b B3b F4b B4b F5a B1a F6a B2a F7a B3a F8a B4a F5b B5b "
     "F6b B6b F7b B7b F8b B8b B5a B6a B7a B8a",
 }

@@ -1,0 +1,134 @@
+"""Readable text for megatron_core.consistency (private): group names, call sites, the values
+each rank reports on the slow path, and the one message every rank raises.
+
+Everything here runs only after a disagreement was found, except :func:`describe_group` (also
+used for torch's errors) and :func:`checksum` (check mode only).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+_SKIPPED_MODULES = (
+    "megatron_core.consistency",
+    "megatron_core._consistency_text",
+    "megatron_core.testing",
+    "megatron_core._testing_worker",
+)
+
+
+_KIND_NAMES = {
+    "tp": "tensor-model-parallel",
+    "pp": "pipeline-model-parallel",
+    "dp": "data-parallel",
+    "dp-cp": "data-parallel (with context parallel)",
+    "cp": "context-parallel",
+    "mp": "model-parallel",
+    "ep": "expert-model-parallel",
+}
+
+
+def describe_group(group: dist.ProcessGroup | None) -> str:
+    """A readable name: "the tensor-model-parallel group (global ranks [0, 1])"."""
+    if group is None or group is dist.group.WORLD:
+        size = dist.get_world_size()
+        ranks = list(range(size)) if size <= 16 else f"0..{size - 1}"
+        return f"the default (WORLD) group (global ranks {ranks})"
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        return f"process group {group!r}"
+    kinds = []
+    try:
+        from megatron_core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            groups = getattr(parallel_state.get_parallel_state(), "groups", {})
+            kinds = [kind for kind, pg in groups.items() if pg is group]
+    except Exception:  # naming must never fail the error it names
+        kinds = []
+    if not kinds:
+        return f"the process group of global ranks {ranks}"
+    known = [kind for kind in _KIND_NAMES if kind in kinds]  # tensor-model-parallel first
+    names = [_KIND_NAMES[kind] for kind in known] or sorted(kinds)
+    return f"the {' / '.join(names[:2])} group (global ranks {ranks})"
+
+
+def call_site() -> str:
+    """The package functions on the stack, outermost first (error path only)."""
+    names = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        qualname = frame.f_code.co_qualname
+        if (
+            module.startswith("megatron_core.")
+            and module not in _SKIPPED_MODULES
+            and (not qualname.startswith("_") or qualname.endswith((".forward", ".backward")))
+        ):
+            names.append(qualname)
+        frame = frame.f_back
+    return " > ".join(reversed(names[:4])) or "(outside megatron_core)"
+
+
+def readable(op, tensor, shape, dtype, args, error) -> dict[str, str]:
+    if tensor is not None:
+        shape = tuple(tensor.shape) if shape is None else shape
+        dtype = tensor.dtype if dtype is None else dtype
+    fields = {"op": op}
+    if shape is not None:
+        fields["shape"] = str(tuple(int(d) for d in shape))
+    if dtype is not None:
+        fields["dtype"] = str(dtype)
+    fields.update({name: repr(value) for name, value in sorted(args.items())})
+    fields["call site"] = call_site()
+    if error is not None:
+        fields["error"] = f"{type(error).__name__}: {error}"
+    return fields
+
+
+def message(op: str, group: dist.ProcessGroup, per_rank: list[dict[str, str]]) -> str:
+    ranks = dist.get_process_group_ranks(group) if group is not dist.group.WORLD else None
+    ranks = ranks or list(range(len(per_rank)))
+
+    def who(index: int) -> str:
+        return f"rank {index} (global rank {ranks[index]})"
+
+    where = describe_group(group)
+    ops = list(dict.fromkeys(fields["op"] for fields in per_rank))
+    op = ops[0] if len(ops) == 1 else "a collective (the ranks are in different ones)"
+    failures = [(r, fields["error"]) for r, fields in enumerate(per_rank) if "error" in fields]
+    if failures:
+        found = "; ".join(f"{who(r)}: {text}" for r, text in failures)
+        return (
+            f"{op} failed on {len(failures)} of the {len(per_rank)} ranks of {where} (every rank "
+            f"raises this error): {found}"
+        )
+    names = list(dict.fromkeys(name for fields in per_rank for name in fields))
+    differ = [
+        name
+        for name in names
+        if name != "call site" and len({fields.get(name, "-") for fields in per_rank}) > 1
+    ]
+    if "op" in differ:
+        differ.append("call site")
+    parts = [
+        f"{name}: "
+        + ", ".join(f"{who(r)} = {fields.get(name, '-')}" for r, fields in enumerate(per_rank))
+        for name in differ
+    ]
+    return f"consistency check failed before {op} on {where}: the ranks disagree on " + (
+        "; ".join(parts) or "an argument hash"
+    )
+
+
+def checksum(tensor: torch.Tensor) -> str:
+    """Sum and position-weighted sum of the values (weights 1..1009): equal tensors give equal
+    checksums; a changed or moved value almost surely changes one."""
+    flat = tensor.detach().reshape(-1)
+    flat = flat.double() if flat.is_floating_point() or flat.is_complex() else flat.long()
+    weights = torch.arange(flat.numel(), device=flat.device) % 1009 + 1
+    return f"{flat.sum().item()!r}/{(flat * weights).sum().item()!r}"
