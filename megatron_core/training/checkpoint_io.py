@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import (
@@ -188,15 +189,9 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = read_metadata(Path(self.path) / ".metadata")
-        metadata.storage_meta = metadata.storage_meta or _storage_meta()
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
-
-
-def _storage_meta():
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    return StorageMeta()
 
 
 def sha256_of(path: Path) -> str:
