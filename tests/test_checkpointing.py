@@ -169,6 +169,7 @@ MODES = {
         True, distribute="all", offload_to_cpu=True, check_determinism=True
     ),
     "non-reentrant, distributed, no early stop": _each(True, use_reentrant=False, early_stop=False),
+    "non-reentrant, distributed, debug": _each(True, use_reentrant=False, debug=True),
     "nested non-reentrant in non-reentrant": _nested(inner_reentrant=False),
     "nested reentrant in non-reentrant": _nested(inner_reentrant=True),
     # A reentrant region of several layers sums the gradients of an input shared by its layers
