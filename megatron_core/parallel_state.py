@@ -8,9 +8,10 @@ getters (megatron_core/_parallel_getters*.py, re-exported here) read it and rais
 :class:`~megatron_core.errors.MegatronCoreError` (an ``AssertionError`` too) where megatron-core
 asserts.
 
-Set-up runs in short steps: validate the arguments (no collective yet, so every rank raises the
-same error) -> compute the layout of both rank grids -> check that every rank got the same
-arguments (issue 15's hook, :func:`_check_arguments_agree`) -> create the groups.
+Set-up runs in short steps: validate the arguments and compute the layout of both rank grids
+(locally, no collective) -> agree over WORLD that every rank got the same arguments and the same
+outcome, so a rank whose arguments are invalid or differ makes every rank raise instead of
+leaving its peers waiting (:func:`_check_arguments_agree`) -> create the groups.
 """
 
 from __future__ import annotations
@@ -275,33 +276,41 @@ def initialize_model_parallel(
             "initialize_model_parallel needs torch.distributed: call "
             "torch.distributed.init_process_group(...) first"
         )
-    if _STATE.initialized:
-        raise MegatronCoreError(
-            "initialize_model_parallel called twice: call destroy_model_parallel() first"
-        )
     world_size = dist.get_world_size()
-    sizes = validate_sizes(
-        world_size,
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        context_parallel_size,
-        expert_model_parallel_size,
-        expert_tensor_parallel_size,
-        order,
-        num_distributed_optimizer_instances,
-    )
-    _validate_virtual_pipeline(virtual_pipeline_model_parallel_size, pipeline_model_parallel_size)
-    options = validated_options(arguments)
-    rules = embedding_rules(
-        sizes.pp,
-        pipeline_model_parallel_split_rank,
-        get_embedding_ranks,
-        get_position_embedding_ranks,
-    )
-    layout = layout_of(
-        sizes, *rules, hierarchical_context_parallel_sizes, bool(hybrid_context_parallel)
-    )
-    _check_arguments_agree(arguments, sizes, layout)
+    # Validation is local, but its outcome is agreed over WORLD before anything else: a rank
+    # whose arguments are invalid must not leave the others waiting (issue 15, point 2).
+    error, sizes, layout, options = None, None, None, None
+    try:
+        if _STATE.initialized:
+            raise MegatronCoreError(
+                "initialize_model_parallel called twice: call destroy_model_parallel() first"
+            )
+        sizes = validate_sizes(
+            world_size,
+            tensor_model_parallel_size,
+            pipeline_model_parallel_size,
+            context_parallel_size,
+            expert_model_parallel_size,
+            expert_tensor_parallel_size,
+            order,
+            num_distributed_optimizer_instances,
+        )
+        _validate_virtual_pipeline(
+            virtual_pipeline_model_parallel_size, pipeline_model_parallel_size
+        )
+        options = validated_options(arguments)
+        rules = embedding_rules(
+            sizes.pp,
+            pipeline_model_parallel_split_rank,
+            get_embedding_ranks,
+            get_position_embedding_ranks,
+        )
+        layout = layout_of(
+            sizes, *rules, hierarchical_context_parallel_sizes, bool(hybrid_context_parallel)
+        )
+    except Exception as exc:  # agreed below, then re-raised on every rank
+        error = exc
+    _check_arguments_agree(arguments, layout, error)
     state = ParallelState(
         global_rank=dist.get_rank(),
         world_size=world_size,
@@ -340,25 +349,33 @@ def _validate_virtual_pipeline(vpp, pp) -> None:
         )
 
 
-def _check_arguments_agree(arguments: dict, sizes: ParallelSizes, layout: dict) -> None:
-    """Hook for issue 15: every rank must pass the same arguments to initialize_model_parallel.
+def _check_arguments_agree(arguments: dict, layout: dict | None, error: Exception | None) -> None:
+    """Every rank must pass the same arguments to initialize_model_parallel (issue 15).
 
-    Runs after validation and layout (nothing collective yet) and before the first group is
-    created. A rank that disagrees would build other groups and hang the others in new_group;
-    the check belongs here so it can raise on every rank instead. ``arguments`` holds the call's
-    arguments by name; ``sizes``/``layout`` what they resolved to.
+    Runs after the local validation and layout (nothing collective yet) and before the first
+    group is created. A rank that disagrees would build other groups and hang the others in
+    new_group; here every rank raises instead. ``arguments`` holds the call's arguments by name,
+    ``layout`` what they resolved to (None if this rank's validation raised ``error``).
 
     One agreement over WORLD (megatron_core.consistency.agree: a 16-int64 all-gather), always
     on: a group-cache hit in create_groups must never hide a disagreement. Callables (the
-    embedding-rank rules) are compared by name, and the resolved layout by a digest.
+    embedding-rank rules) are compared by name, the resolved layout by a digest, and a rank
+    whose validation failed contributes its error message instead. So: arguments that differ
+    -> a RankDisagreementError on every rank naming each rank's values; the same invalid
+    arguments everywhere -> every rank re-raises its (identical) validation error; a rank that
+    failed alone -> a RankDisagreementError carrying its message, on every rank.
     """
-    del sizes
+    if error is not None:
+        outcome = f"invalid: {type(error).__name__}: {error}"
+    else:
+        outcome = hashlib.blake2b(repr(sorted(layout.items())).encode(), digest_size=6).hexdigest()
     comparable = {
         name: f"{value.__module__}.{value.__qualname__}" if callable(value) else value
         for name, value in arguments.items()
     }
-    digest = hashlib.blake2b(repr(sorted(layout.items())).encode(), digest_size=6).hexdigest()
-    consistency.agree("initialize_model_parallel", dist.group.WORLD, layout=digest, **comparable)
+    consistency.agree("initialize_model_parallel", dist.group.WORLD, layout=outcome, **comparable)
+    if error is not None:
+        raise error
 
 
 def destroy_model_parallel() -> None:

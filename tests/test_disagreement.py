@@ -212,6 +212,12 @@ def _init_tp_cached(tp):
     _init(1 if _last() else tp)  # used to be accepted: sizes [tp, 1], then a hang
 
 
+def _init_invalid_on_one_rank(tp):
+    # The last rank asks for a size that does not divide the world: it fails validation alone,
+    # and its peers must not wait for it in the argument agreement.
+    _init(3 if _last() else tp)
+
+
 def _seed_before_initialize(tp):
     from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -254,6 +260,11 @@ CASES = {
     "init_tp_cached": Case(
         _init_tp_cached,
         ("initialize_model_parallel", "tensor_model_parallel_size", "= 1", "WORLD"),
+        always=True,
+    ),
+    "init_invalid_on_one_rank": Case(
+        _init_invalid_on_one_rank,
+        ("initialize_model_parallel", "tensor_model_parallel_size", "= 3", "WORLD", "invalid"),
         always=True,
     ),
     "seed_before_initialize": Case(

@@ -511,10 +511,11 @@ def test_checkpoints_reshard_across_pipeline_sizes(
 def test_mixed_precision_resume_is_bitwise_and_reshards(tmp_path, precision):
     """--bf16 / --fp16 keep fp32 main weights (and fp16 a loss scaler) in the optimizer: they
     are saved under optimizer.master.* / optimizer.extra.*, so the resume is bitwise at the same
-    layout, and at tp=1 the losses follow the tp=2 run to half-precision rounding (bf16's
-    8 mantissa bits: the layouts round partial matmul sums at different points; 2e-2 relative)."""
+    layout, and at tp=1 the losses follow the tp=2 run to half-precision rounding: the layouts
+    round partial matmul sums to bf16/fp16 at different points, and the loss averages that over
+    every token (measured: 3e-5 relative for bf16, 2e-6 for fp16; 1e-3 leaves margin)."""
     options = {"tensor_model_parallel_size": 2, precision: True}
     want, got = _reshard(tmp_path / "same", 2, options, 2, options)
     assert torch.equal(got, want)
     want, got = _reshard(tmp_path / "tp1", 2, options, 1, {**options, **TP1})
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=0)
