@@ -317,7 +317,7 @@ class ForwardState:
     def replayed(self) -> Iterator[None]:
         """Inside: the forward's RNG and autocast state. After (also on error): the RNG states
         current before the block. See NOTE [ Checkpoint rules ], rule 2."""
-        current = get_rng_snapshot()
+        restore = _stash_rng()
         set_rng_snapshot(self.rng)
         try:
             with contextlib.ExitStack() as stack:
@@ -325,7 +325,39 @@ class ForwardState:
                     stack.enter_context(torch.autocast(device_type=kind, **kwargs))
                 yield
         finally:
-            set_rng_snapshot(current)
+            restore()
+
+
+def _stash_rng() -> Callable[[], None]:
+    """The RNG states current now, as a function that restores them (rule 2).
+
+    The tracker's stream states are held by reference, not copied: set_rng_snapshot gives the
+    tracker a new dict, and a fork replaces a state object instead of changing it (see
+    _rng_snapshot), so the dict put back is exactly the one taken. Graph-safe states and
+    trackers without these attributes take a full snapshot copy instead.
+    """
+    tracker = get_cuda_rng_tracker()
+    states = getattr(tracker, "states_", None)
+    plain = (
+        isinstance(states, dict)
+        and hasattr(tracker, "_active")
+        and hasattr(tracker, "_is_initialized")
+        and all(type(v) is torch.Tensor for v in states.values())
+    )
+    if not plain:
+        snapshot = get_rng_snapshot()
+        return lambda: set_rng_snapshot(snapshot)
+    cpu_state = torch.get_rng_state()
+    device_state = None if device.device_type() == "cpu" else device.get_rng_state()
+    active, initialized = tracker._active, tracker._is_initialized
+
+    def restore() -> None:
+        torch.set_rng_state(cpu_state)
+        if device_state is not None:
+            device.set_rng_state(device_state)
+        tracker.states_, tracker._active, tracker._is_initialized = states, active, initialized
+
+    return restore
 
 
 # --- determinism check (rule 6) ----------------------------------------------------------------
