@@ -75,6 +75,7 @@ __all__ = [
     "check_collective",
     "check_ids",
     "agreed_errors",
+    "checked_all_reduce",
     "agreed_splits",
     "named_failures",
     "collective_failed",
@@ -367,3 +368,16 @@ class named_failures:  # noqa: N801 (used like a function: ``with named_failures
         if isinstance(exc, RuntimeError) and not isinstance(exc, MegatronCoreError):
             raise collective_failed(self.op, self.group, exc) from exc
         return False
+
+
+def checked_all_reduce(op: str, tensor: torch.Tensor, group=None, reduce_op=None) -> None:
+    """``dist.all_reduce(tensor, reduce_op, group)`` in place, for the package's collectives
+    outside tensor_parallel (gradient finalization, the training loop, tied embeddings): in
+    check mode the ranks first agree on ``op``, shape and dtype (:func:`check_collective`), and a
+    torch failure leaves as a CollectiveError naming ``op`` and the group. ``group`` None means
+    WORLD; ``reduce_op`` None means SUM."""
+    group = dist.group.WORLD if group is None else group
+    reduce_op = dist.ReduceOp.SUM if reduce_op is None else reduce_op
+    check_collective(op, group, tensor)
+    with named_failures(op, group):
+        dist.all_reduce(tensor, op=reduce_op, group=group)

@@ -218,6 +218,17 @@ def _init_invalid_on_one_rank(tp):
     _init(3 if _last() else tp)
 
 
+def _finalize_grads_of_different_models(tp):
+    # Data-parallel replicas whose models differ (one rank built a wider layer): the flat
+    # gradient buffers differ in size; gloo would abort or mix the bytes.
+    from megatron_core.distributed import finalize_model_grads
+
+    parallel_state.initialize_model_parallel()  # tp = 1: every rank is a data-parallel replica
+    model = torch.nn.Linear(3, 4 if _last() else 3)
+    model(torch.ones(2, 3)).sum().backward()
+    finalize_model_grads([model])
+
+
 def _seed_before_initialize(tp):
     from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -266,6 +277,9 @@ CASES = {
         _init_invalid_on_one_rank,
         ("initialize_model_parallel", "tensor_model_parallel_size", "= 3", "WORLD", "invalid"),
         always=True,
+    ),
+    "finalize_grads_of_different_models": Case(
+        _finalize_grads_of_different_models, ("finalize_model_grads all_reduce", "shape")
     ),
     "seed_before_initialize": Case(
         _seed_before_initialize,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_core import parallel_state
+from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.layer_params import allreduce_sequence_parallel_grads
 
@@ -42,7 +42,7 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float | None) ->
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, group=group)
+        consistency.checked_all_reduce("finalize_model_grads all_reduce", flat, group)
         if scale is not None:
             flat.mul_(scale)
         offset = 0
@@ -137,7 +137,7 @@ def finalize_model_grads(
         ranks = dist.get_process_group_ranks(pp_group)
         count = num_tokens.detach().to(dtype=torch.float32, device=_device_of(model)).reshape(())
         dist.broadcast(count, src=ranks[-1], group=pp_group)
-        dist.all_reduce(count, group=dp_group)
+        consistency.checked_all_reduce("finalize_model_grads num_tokens", count, dp_group)
         scale = 1.0 / max(count.item(), 1.0)
         for chunk in model:
             for p in chunk.parameters():

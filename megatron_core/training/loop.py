@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_core import device, parallel_state
+from megatron_core import consistency, device, parallel_state
 from megatron_core.distributed import finalize_model_grads
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
@@ -244,7 +244,8 @@ def _clip_grads(model: torch.nn.Module, max_norm: float) -> float:
     for p in params:
         if _counted_once(p):  # replicated and tied params count once
             squares += p.grad.float().pow(2).sum()
-    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    mp_group = parallel_state.get_model_parallel_group()
+    consistency.checked_all_reduce("grad norm all_reduce", squares, mp_group)
     norm = squares.sqrt().item()
     if norm > max_norm:
         for p in params:
@@ -281,14 +282,18 @@ def train_step(model, optimizer, corpus: ByteCorpus, args: argparse.Namespace, s
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(args, step)
     optimizer.step()
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    consistency.checked_all_reduce(
+        "loss all_reduce", total, parallel_state.get_data_parallel_group()
+    )
     return total.item() / dp_size, activation_bytes
 
 
 def _count_parameters(model: torch.nn.Module) -> int:
     local = sum(p.numel() for p in model.parameters() if _counted_once(p))
     count = torch.tensor([local], dtype=torch.int64, device=device.current_device())
-    dist.all_reduce(count, group=parallel_state.get_model_parallel_group())
+    consistency.checked_all_reduce(
+        "parameter count all_reduce", count, parallel_state.get_model_parallel_group()
+    )
     return int(count.item())
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_core import consistency
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.layers import copy_tensor_model_parallel_attributes
 
@@ -209,7 +210,8 @@ class MixedPrecisionOptimizer:
         flags = [torch.logical_not(torch.isfinite(m.grad).all()) for m in self.main_module]
         found = torch.stack(flags).any().float().reshape(1) if flags else torch.zeros(1)
         if dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank skips alike (rule 4)
+            # every rank skips alike (rule 4)
+            consistency.checked_all_reduce("found inf all_reduce", found, None, dist.ReduceOp.MAX)
         return bool(found.item())
 
     def step(self) -> bool:

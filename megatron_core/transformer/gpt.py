@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_core import device, parallel_state
+from megatron_core import consistency, device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_core.tensor_parallel.layers import (
@@ -130,7 +130,7 @@ class GPTModel(torch.nn.Module):
             group = parallel_state.get_embedding_group()
             if dist.get_world_size(group) > 1:
                 with torch.no_grad():
-                    dist.all_reduce(weight.data, group=group)
+                    consistency.checked_all_reduce("tied embedding all_reduce", weight.data, group)
 
     def set_input_tensor(self, input_tensor) -> None:
         """The activation from the previous stage (a tensor, or a list holding one), or None."""
