@@ -32,7 +32,7 @@ from megatron_core.tensor_parallel import (
 from megatron_core.testing import run_distributed
 
 WORLD_SIZES = [1, 2, 4]
-SEQ, BATCH, HIDDEN, FFN, VOCAB = 4, 2, 8, 16, 16  # divisible by 4, the largest group
+SEQ, BATCH, HIDDEN, FFN, VOCAB = 8, 2, 8, 16, 16  # divisible by 8, the largest group
 
 
 def _init(tensor):
@@ -235,21 +235,33 @@ def _helpers_take_tp_group_positionally():
     return True
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        _sized_from_group,
-        _expert_layers_use_the_expert_tensor_parallel_group,
-        _frozen_and_disable_grad_reduce,
-        _deferred_embedding_wgrad,
-        _vocab_parallel_cross_entropy_blocks,
-        _helpers_take_tp_group_positionally,
-    ],
-    ids=lambda f: f.__name__.strip("_"),
-)
+BODIES = [
+    _sized_from_group,
+    _expert_layers_use_the_expert_tensor_parallel_group,
+    _frozen_and_disable_grad_reduce,
+    _deferred_embedding_wgrad,
+    _vocab_parallel_cross_entropy_blocks,
+    _helpers_take_tp_group_positionally,
+]
+
+
+@pytest.mark.parametrize("body", BODIES, ids=lambda f: f.__name__.strip("_"))
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_on_ranks(world_size, body):
     assert run_distributed(body, world_size, timeout=120) == [True] * world_size
+
+
+def _every_body():
+    for body in BODIES:
+        assert body() is True, body.__name__
+        ps.destroy_model_parallel()
+    return True
+
+
+def test_on_eight_ranks():
+    """megatron-core's unit tests run at 8 ranks: every body above at TP 8, in one call (8
+    processes on a small machine, so one pool start for all of them)."""
+    assert run_distributed(_every_body, 8, timeout=300) == [True] * 8
 
 
 def _extra_state_round_trip():
