@@ -17,7 +17,9 @@ by torchrun, or by this launcher, it is one rank.
    143 (SIGTERM).
 3. Parent-death watch. A rank started by a launcher (torchrun or ours) polls its parent pid
    twice a second; once the launcher is gone (SIGKILL leaves the ranks re-parented) the rank
-   exits at once with status 1, so no rank trains on as an orphan.
+   exits at once with status 1, so no rank trains on as an orphan. A rank whose collective fails
+   because a peer's watch stopped it first reports the launcher's death too (rank 0, one line),
+   not the connection error.
 4. No teardown aborts. Every rank ends with ``os._exit`` after flushing its output: gloo's
    threads are never torn down by the interpreter's finalizers, which can abort
    (``terminate called without an active exception``) while a peer is still closing.
@@ -84,29 +86,38 @@ class _Signals:
             raise KeyboardInterrupt
 
 
-def _watch_parent(prog: str) -> None:
+def _watch_parent(prog: str) -> int | None:
     """See NOTE [ Clean exits ], rule 3. Only under a launcher: a rank started from a shell keeps
-    running when the shell exits (nohup)."""
+    running when the shell exits (nohup). Returns the launcher's pid (None: not watched)."""
     if not (os.environ.get(LAUNCHER_PID_ENV) or os.environ.get("TORCHELASTIC_RUN_ID")):
-        return
+        return None
     # Our launcher names itself: the rank may have been orphaned while importing torch.
     parent = int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
 
     def watch() -> None:
         while True:
-            if os.getppid() != parent or parent == 1:
-                if _global_rank() == 0:
-                    _say(prog, f"the launcher (pid {parent}) died; stopping")
-                _exit(1)
+            if _launcher_died(parent):
+                _stop_orphan(prog, parent)
             time.sleep(_WATCH_INTERVAL_S)
 
     threading.Thread(target=watch, name="parent-death-watch", daemon=True).start()
+    return parent
+
+
+def _launcher_died(parent: int | None) -> bool:
+    return parent is not None and (os.getppid() != parent or parent == 1)
+
+
+def _stop_orphan(prog: str, parent: int) -> None:
+    if _global_rank() == 0:
+        _say(prog, f"the launcher (pid {parent}) died; stopping")
+    _exit(1)
 
 
 def _run_rank(prog: str, main: Callable[[], int], debug: bool) -> None:
     """Run ``main`` as one rank and exit the process with NOTE [ Clean exits ]' rules."""
     signals = _Signals()
-    _watch_parent(prog)
+    parent = _watch_parent(prog)
     warnings.formatwarning = lambda message, *_, **__: f"{prog}: warning: {message}\n"
     rank = _global_rank()
     try:
@@ -119,6 +130,8 @@ def _run_rank(prog: str, main: Callable[[], int], debug: bool) -> None:
             _exit(128 + (signals.received or signal.SIGINT))
         if isinstance(exc, SystemExit):
             _exit(exc.code if isinstance(exc.code, int) else 1)
+        if _launcher_died(parent):  # a peer stopped by its watch first broke our collective
+            _stop_orphan(prog, parent)
         if debug:
             traceback.print_exc()
             _exit(1)
