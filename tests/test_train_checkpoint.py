@@ -9,12 +9,12 @@ import errno
 import json
 import os
 import pickle
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from _fixed_corpus import corpus_file
 
 from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
@@ -34,21 +34,8 @@ from megatron_core.training import (
     validate_args,
 )
 
-
-def _corpus_file() -> str:
-    """A fixed corpus: the default one is the package's own source, which changes while someone
-    edits it (then an uninterrupted run and a resumed run would see different batches)."""
-    path = Path(tempfile.gettempdir()) / "megatron_core_test_train_checkpoint_corpus_v1.txt"
-    if not path.exists():
-        text = " ".join(f"alpha{i % 97} beta{(i * 7919) % 389}." for i in range(20_000))
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)  # ranks may write it at once: same bytes, atomic
-    return str(path)
-
-
 TINY = {
-    "data": _corpus_file(),
+    "data": corpus_file(),
     "num-layers": 2,
     "hidden-size": 32,
     "num-attention-heads": 4,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fixed_corpus import corpus_file
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.testing import run_distributed
@@ -26,6 +27,7 @@ from megatron_core.training import (
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {
+    "data": corpus_file(),  # fixed: runs compared with each other see the same batches
     "num-layers": 2,
     "hidden-size": 32,
     "num-attention-heads": 4,

@@ -1,0 +1,21 @@
+"""A fixed training corpus for tests that compare two training runs.
+
+The main job's default corpus is the package's own source and docs, which change while someone
+edits the tree; two runs of one test (a reference and a resumed or resharded run) would then see
+different batches. Tests that compare runs pass ``--data corpus_file()`` instead.
+"""
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def corpus_file() -> str:
+    """Path of a ~0.5 MB deterministic text file (written once per machine, atomically)."""
+    path = Path(tempfile.gettempdir()) / "megatron_core_test_train_checkpoint_corpus_v1.txt"
+    if not path.exists():
+        text = " ".join(f"alpha{i % 97} beta{(i * 7919) % 389}." for i in range(20_000))
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)  # ranks may write it at once: same bytes, atomic
+    return str(path)
