@@ -69,11 +69,13 @@ def _init_worker(rank: int, world_size: int, init_method: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from megatron_core import device
+
     torch.set_num_threads(1)
-    backend = "gloo"
-    if harness_device_type() == "cuda":  # one GPU per rank; CPU tensors still go through gloo
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        backend = "cuda:nccl,cpu:gloo"
+    # cuda mode: one GPU per rank, and CPU tensors still go through gloo; cpu: plain gloo.
+    device.set_device_type(harness_device_type())
+    device.set_current_device(rank)
+    backend = device.mixed_backend()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     error = _reset_process_state()
     if error is not None:

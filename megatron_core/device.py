@@ -45,6 +45,7 @@ __all__ = [
     "warn_if_overlap_is_serialized",
     "is_accelerator",
     "default_backend",
+    "mixed_backend",
     "current_device",
     "set_current_device",
     "get_rng_state",
@@ -122,6 +123,12 @@ def is_accelerator() -> bool:
 def default_backend() -> str:
     """The torch.distributed backend for the device type: ``nccl`` on cuda, ``gloo`` on cpu."""
     return "nccl" if device_type() == "cuda" else "gloo"
+
+
+def mixed_backend() -> str:
+    """The backend for a default group that carries device tensors and CPU tensors alike:
+    torch's per-device map ``cuda:nccl,cpu:gloo`` on cuda, ``gloo`` on cpu."""
+    return "cuda:nccl,cpu:gloo" if device_type() == "cuda" else "gloo"
 
 
 def current_device() -> torch.device:

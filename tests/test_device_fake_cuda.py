@@ -123,6 +123,13 @@ def test_current_device_follows_set_current_device(fake_cuda):
     assert device.is_accelerator() and device.default_backend() == "nccl"
 
 
+def test_mixed_backend_maps_cuda_to_nccl_and_cpu_to_gloo(fake_cuda):
+    assert device.mixed_backend() == "cuda:nccl,cpu:gloo"  # the harness's cuda-mode group
+    assert device.backend_uses_cuda(device.mixed_backend())
+    device.set_device_type("cpu")
+    assert device.mixed_backend() == "gloo"
+
+
 def test_rng_round_trip_and_seed_stay_on_the_gpu_generator(fake_cuda):
     cpu_before = torch.get_rng_state()
     device.manual_seed(5)
