@@ -155,7 +155,8 @@ _SHARP_KIND = {"dp": "dp-cp", "dp_replica": "inter-dist-opt"}
 
 
 def _is_nccl(backend: str | None) -> bool:
-    return "nccl" in str(backend or dist.get_backend())
+    """``backend`` (default: the default group's) puts NCCL on CUDA tensors."""
+    return device.backend_uses_cuda(backend or dist.get_backend())
 
 
 def create_groups(state, layout: dict[str, list[list[int]]], options, sizes) -> None:

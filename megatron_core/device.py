@@ -48,6 +48,7 @@ __all__ = [
     "mixed_backend",
     "current_device",
     "set_current_device",
+    "accelerator_count",
     "get_rng_state",
     "set_rng_state",
     "manual_seed",
@@ -136,6 +137,11 @@ def current_device() -> torch.device:
     if device_type() == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def accelerator_count() -> int:
+    """How many accelerators (GPUs) this process can see; 0 without CUDA."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def set_current_device(local_rank: int) -> None:

@@ -333,9 +333,9 @@ def _check_gpu_count(world_size: int) -> None:
     """CUDA mode (rule 7): skip (pytest) or refuse a world larger than the GPU count."""
     if harness_device_type() != "cuda":
         return
-    import torch
+    from megatron_core import device
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = device.accelerator_count()
     if world_size <= count:
         return
     reason = (
