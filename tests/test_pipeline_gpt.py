@@ -10,7 +10,7 @@ relative tolerance is the issue's bar and sits well above the ~1e-6 observed.
 
 import pytest
 import torch
-from _fixed_corpus import corpus_file
+from _train_args import argv_of, corpus_file
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.testing import run_distributed
@@ -37,14 +37,8 @@ TINY = {
 
 
 def _argv(**options) -> list[str]:
-    merged = {**TINY, **{k.replace("_", "-"): v for k, v in options.items()}}
-    argv = []
-    for key, value in merged.items():
-        if value is True:
-            argv.append(f"--{key}")
-        elif value is not None and value is not False:
-            argv += [f"--{key}", str(value)]
-    return argv
+    """argv for parse_args: TINY updated by ``options`` (True: a bare flag, None: left out)."""
+    return argv_of(TINY, **options)
 
 
 def _runs(argvs: list[list[str]]):

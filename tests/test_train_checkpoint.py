@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _fixed_corpus import corpus_file
+from _train_args import argv_of, corpus_file
 
 from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
@@ -52,14 +52,7 @@ NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 def _argv(**options) -> list[str]:
     """argv for parse_args: TINY updated by ``options`` (True: a bare flag, None: left out)."""
-    merged = {**TINY, **{k.replace("_", "-"): v for k, v in options.items()}}
-    argv = []
-    for key, value in merged.items():
-        if value is True:
-            argv.append(f"--{key}")
-        elif value is not None and value is not False:
-            argv += [f"--{key}", str(value)]
-    return argv
+    return argv_of(TINY, **options)
 
 
 def _train(argv: list[str]):
