@@ -13,17 +13,19 @@ reinterpret bytes. This module gives the package two primitives and a switch:
   value (the readable values are gathered only on this slow path).
 * :func:`agreed_errors` wraps local checks: an error raised on one rank is shared through
   :func:`agree`, so its peers raise it too instead of blocking in the next collective.
-* Check mode (:func:`is_enabled`): off by default; on with ``MEGATRON_CORE_CHECK_CONSISTENCY=1``,
-  with :func:`enable` / :func:`check_mode`, or when ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is set (an
-  explicit ``MEGATRON_CORE_CHECK_CONSISTENCY=0`` wins). In check mode every collective the package
-  issues first calls :func:`check_collective` (an :func:`agree` on its inputs).
+* The switch (mode.py, :class:`CheckMode`): by default (``WINDOW``) the first collectives of
+  each group -- 4096 by default, a training iteration of usual models -- first call
+  :func:`check_collective` (an :func:`agree` on their inputs), then none (NOTE [ Check window ]
+  in mode.py). Check mode (``ALWAYS``: ``MEGATRON_CORE_CHECK_CONSISTENCY=1``, :func:`enable`,
+  :func:`check_mode`, or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) agrees every collective; ``OFF``
+  (``MEGATRON_CORE_CHECK_CONSISTENCY=0``, :func:`disable`) none.
 
-Cost of check mode: one extra 128-byte all_gather (per rank) before each collective, plus a few
+Cost of a check: one extra 128-byte all_gather (per rank) before the collective, plus a few
 microseconds of Python; a latency cost, independent of the tensor size. Measured with
 ``scripts/benchmark_consistency.py`` (BENCHMARKS.md, "Consistency check"; gloo / CPU, loaded
 2-core VM): a checked small all-reduce takes 2.0x an unchecked one at 2 ranks (1.6x at 4), a
-4 MiB one 1.16x (1.32x at 4); torch's DETAIL wrapper took 5.7x / 1.6x in the same runs. With
-check mode off the hook costs about 0.25 us per collective.
+4 MiB one 1.16x (1.32x at 4); torch's DETAIL wrapper took 5.7x / 1.6x in the same runs. An
+unchecked collective (off, or after the window) pays about 1 us for the switch.
 
 torch's own machinery: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps the groups created
 while it is set and compares a fingerprint (op type, shapes, dtypes) before each raw collective,
@@ -51,26 +53,20 @@ import contextlib
 import functools
 import hashlib
 import json
-import os
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from megatron_core.consistency import text as _text
+from megatron_core.consistency.mode import CheckMode, mode, should_check
 from megatron_core.errors import MegatronCoreError
 
 describe_group = _text.describe_group  # public: "the tensor-model-parallel group (...)"
 
 __all__ = [
-    "CHECK_ENV",
     "RankDisagreementError",
     "CollectiveError",
-    "is_enabled",
-    "enable",
-    "disable",
-    "set_enabled",
-    "check_mode",
     "agree",
     "check_collective",
     "check_ids",
@@ -82,15 +78,12 @@ __all__ = [
     "describe_group",
 ]
 
-CHECK_ENV = "MEGATRON_CORE_CHECK_CONSISTENCY"
 _SLOTS = 16  # int64 values per rank in every exchange (NOTE [ Agree before acting ], rule 1)
 _MAX_DIMS = 8  # shape dimensions stored as such; more are hashed
 _FAILED_SLOT = 14  # [magic, op, dtype, ndim, 8 dims, more dims, args, failed, 0]
 _MAGIC = 0x4D435F4147524545  # "MC_AGREE": a rank in another exchange shows up as a mismatch
 # torch 2.13 renamed all_gather_into_tensor (the old name warns).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 class RankDisagreementError(MegatronCoreError):
@@ -101,54 +94,6 @@ class RankDisagreementError(MegatronCoreError):
 class CollectiveError(MegatronCoreError):
     """A collective failed inside torch.distributed (timeout, dead peer, torch's own mismatch
     check); the message names the op and the group, the torch error is the ``__cause__``."""
-
-
-# --- the switch ------------------------------------------------------------------------------
-
-_OVERRIDE: list[bool | None] = [None]
-
-
-def is_enabled() -> bool:
-    """True in check mode: set by :func:`enable` / :func:`disable`, else by the environment
-    variable ``MEGATRON_CORE_CHECK_CONSISTENCY`` (1/true/yes/on or 0/false/no/off), else on when
-    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``."""
-    if _OVERRIDE[0] is not None:
-        return _OVERRIDE[0]
-    value = os.environ.get(CHECK_ENV, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL"
-
-
-def set_enabled(enabled: bool | None) -> bool | None:
-    """Force check mode on (True) or off (False) in this process, or None to follow the
-    environment again; returns the previous setting."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise MegatronCoreError(f"set_enabled: enabled ({enabled!r}) must be True, False or None")
-    previous, _OVERRIDE[0] = _OVERRIDE[0], enabled
-    return previous
-
-
-def enable() -> None:
-    """Turn check mode on in this process (every rank must do the same)."""
-    set_enabled(True)
-
-
-def disable() -> None:
-    """Turn check mode off in this process (every rank must do the same)."""
-    set_enabled(False)
-
-
-@contextlib.contextmanager
-def check_mode(enabled: bool = True) -> Iterator[None]:
-    """Context manager: check mode on (or off) inside the block, the previous setting after."""
-    previous = set_enabled(enabled)
-    try:
-        yield
-    finally:
-        set_enabled(previous)
 
 
 # --- the exchange ----------------------------------------------------------------------------
@@ -167,19 +112,20 @@ def _buffer_device(group: dist.ProcessGroup) -> torch.device:
     return device.current_device()
 
 
-def _exchange(values: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather ``values`` (the same length on every rank) -> [group size, len] int64 (cpu)."""
+def _exchange(values: list[int], group: dist.ProcessGroup, op: str) -> torch.Tensor:
+    """All-gather ``values`` (the same length on every rank) -> [group size, len] int64 (cpu);
+    a failure (a peer that never comes: the group timeout) names the check and ``op``."""
     local = torch.tensor(values, dtype=torch.int64, device=_buffer_device(group))
     gathered = local.new_empty(dist.get_world_size(group) * len(values))
-    with named_failures("the consistency check's all-gather", group):
+    with named_failures(f"the consistency check's all-gather before {op}", group):
         _all_gather_single(gathered, local, group=group)
     return gathered.view(-1, len(values)).cpu()
 
 
-def _exchange_text(text: str, group: dist.ProcessGroup) -> list[str]:
+def _exchange_text(text: str, group: dist.ProcessGroup, op: str) -> list[str]:
     """Every rank's ``text`` (slow path: sizes first, then padded bytes; rule 1)."""
     data = text.encode()
-    sizes = _exchange([len(data)] + [0] * (_SLOTS - 1), group)[:, 0].tolist()
+    sizes = _exchange([len(data)] + [0] * (_SLOTS - 1), group, op)[:, 0].tolist()
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
     gathered = padded.to(_buffer_device(group)).new_empty(len(sizes) * max(sizes))
@@ -237,12 +183,12 @@ def agree(
         return
     if content is not None:
         args = {**args, "content checksum": _text.checksum(content)}
-    table = _exchange(_descriptor(op, tensor, shape, dtype, args, error is not None), group)
+    table = _exchange(_descriptor(op, tensor, shape, dtype, args, error is not None), group, op)
     failed = bool(table[:, _FAILED_SLOT].any())
     if not failed and bool((table == table[0]).all()):
         return
     readable = json.dumps(_text.readable(op, tensor, shape, dtype, args, error))
-    per_rank = [json.loads(text) for text in _exchange_text(readable, group)]
+    per_rank = [json.loads(text) for text in _exchange_text(readable, group, op)]
     raise RankDisagreementError(_text.message(op, group, per_rank)) from error
 
 
@@ -256,25 +202,36 @@ def check_collective(
     content: torch.Tensor | None = None,
     **args,
 ) -> None:
-    """In check mode, :func:`agree` on ``op``, the tensor's shape / dtype, ``args`` and
-    ``content`` across ``group``; otherwise return at once (no checksum is computed). Called at
-    the top of each collective of the package."""
-    if is_enabled() and dist.get_world_size(group) > 1:
+    """:func:`agree` on ``op``, the tensor's shape / dtype, ``args`` and ``content`` across
+    ``group`` when the mode says so (``should_check``: always in check mode, within the group's
+    window by default, NOTE [ Check window ] in mode.py); otherwise return at once (no checksum
+    is computed). Called at the top of each collective of the package."""
+    if should_check(group):
         agree(op, group, tensor, shape=shape, dtype=dtype, content=content, **args)
 
 
+def _ids_outside(op: str, ids: torch.Tensor, limit: int) -> MegatronCoreError | None:
+    if ids.numel() == 0:
+        return None
+    low, high = torch.stack(list(torch.aminmax(ids))).tolist()  # one device sync
+    if low >= 0 and high < limit:
+        return None
+    bad = ids[(ids < 0) | (ids >= limit)].unique()[:8].tolist()
+    return MegatronCoreError(f"{op}: ids {bad} are outside [0, vocabulary size ({limit}))")
+
+
 def check_ids(op: str, group: dist.ProcessGroup, ids: torch.Tensor, limit: int) -> None:
-    """In check mode: token ``ids`` must lie in ``[0, limit)`` and be equal on every rank of
-    ``group`` (a vocab-parallel embedding sums every rank's part for the same ids); else every
-    rank raises a RankDisagreementError naming the values. Outside check mode: nothing."""
-    if not is_enabled():
-        return
-    error = None
-    outside = (ids < 0) | (ids >= limit)
-    if bool(outside.any()):
-        bad = ids[outside].unique()[:8].tolist()
-        error = MegatronCoreError(f"{op}: ids {bad} are outside [0, vocabulary size ({limit}))")
-    agree(op, group, ids, error=error, content=ids, limit=limit)
+    """Token ``ids`` must lie in ``[0, limit)``, and (when agreed: check mode, or the group's
+    window) be equal on every rank of ``group``, since a vocab-parallel embedding sums every
+    rank's part for the same ids. Agreed: every rank raises a RankDisagreementError naming the
+    values. After the window: a local range check (one min/max and one device sync; the ids are
+    the same on every rank, so every rank raises alike). Mode OFF: nothing (zero vectors)."""
+    if should_check(group):
+        agree(op, group, ids, error=_ids_outside(op, ids, limit), content=ids, limit=limit)
+    elif mode() is not CheckMode.OFF:
+        error = _ids_outside(op, ids, limit)
+        if error is not None:
+            raise error
 
 
 @contextlib.contextmanager
@@ -331,7 +288,7 @@ def agreed_splits(
         if error is not None:
             raise error
         return in_sizes, out_sizes
-    table = _exchange([int(error is not None), *in_sizes, *out_sizes], group)
+    table = _exchange([int(error is not None), *in_sizes, *out_sizes], group, op)
     if bool(table[:, 0].any()):
         agree(op, group, error=error)  # every rank takes this branch: the error texts travel
     sent, expected = table[:, 1 : 1 + size], table[:, 1 + size :]

@@ -83,9 +83,10 @@ class VocabParallelEmbedding(torch.nn.Module):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Embed the ids ``input_`` [b, s]: [b, s, h], or [s/tp, b, h] when reduce-scattering.
 
-        In check mode (megatron_core.consistency) ids outside [0, num_embeddings), or ids that
-        differ between the ranks of the group, raise on every rank; otherwise an id outside
-        every rank's range embeds to zeros (megatron-core's behaviour).
+        Ids outside [0, num_embeddings) raise a MegatronCoreError (``consistency.check_ids``);
+        in check mode and the default window ids that differ between the ranks of the group
+        also raise, on every rank. Only with the checks off (``consistency.disable()``) does an
+        id outside every rank's range embed to zeros (megatron-core's behaviour).
         """
         consistency.check_ids("VocabParallelEmbedding", self.tp_group, input_, self.num_embeddings)
         if self.tp_size > 1:
