@@ -259,6 +259,30 @@ def test_the_window_agrees_the_first_n_collectives_then_stops_on_every_rank(worl
     assert after == [[1, 2, 3, 4, 4, 4]] * world_size
 
 
+def _body_rare_group_closes():
+    busy = dist.new_group([0, 1])  # ranks 2 and 3 (at world size 4) make no checks there
+    rare = _group()
+    with consistency.check_mode(consistency.CheckMode.WINDOW):
+        consistency.set_window(4)
+        try:
+            for _ in range(4 if dist.get_rank() < 2 else 0):  # an iteration's worth: done
+                consistency.check_collective("all_reduce", busy, torch.zeros(2))
+            done = consistency.windows_done()
+            consistency.check_collective("grad norm", rare, torch.zeros(1))  # carries "done"
+            return done, consistency.checked_count(rare), consistency.should_check(rare)
+        finally:
+            consistency.set_window(None)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_group_with_rare_collectives_closes_once_an_iterations_worth_is_checked(world_size):
+    # NOTE [ Check window ], rule 4: the rare group's first check is still agreed, then it is
+    # closed on every member at once (count = window size), not after 4 of its own checks,
+    # also on the members that made no checks elsewhere (ranks 2, 3).
+    results = run_distributed(_body_rare_group_closes, world_size, timeout=60)
+    assert results == [(True, 4, False)] * 2 + [(False, 4, False)] * (world_size - 2)
+
+
 def _body_silent_peer():
     group = _group(seconds=2.0)  # a short group timeout: the peer never comes
     if dist.get_rank() == 1:

@@ -1,6 +1,6 @@
 """When ranks disagree: agree first, then act, so no rank hangs, aborts or computes garbage.
 
-The face of the consistency checks. mode.py holds the switch (off, the default window of the
+The face of the consistency checks. switch.py holds the switch (off, the default window of the
 first collectives of each group, always: check mode) and NOTE [ Check window ]; checks.py the
 primitives (:func:`agree`, :func:`agreed_errors`, :func:`named_failures`) and NOTE [ Agree
 before acting ]; text.py the readable messages (group names, call sites, each rank's values)
@@ -20,13 +20,14 @@ from megatron_core.consistency.checks import (
     describe_group,
     named_failures,
 )
-from megatron_core.consistency.mode import (
+from megatron_core.consistency.switch import (
     CHECK_ENV,
     DEFAULT_WINDOW,
     WINDOW_ENV,
     CheckMode,
     check_mode,
     checked_count,
+    close_window,
     disable,
     enable,
     is_enabled,
@@ -36,10 +37,11 @@ from megatron_core.consistency.mode import (
     set_window,
     should_check,
     window_size,
+    windows_done,
 )
 
 __all__ = [
-    # mode.py
+    # switch.py
     "CHECK_ENV",
     "WINDOW_ENV",
     "DEFAULT_WINDOW",
@@ -55,6 +57,8 @@ __all__ = [
     "set_window",
     "should_check",
     "checked_count",
+    "windows_done",
+    "close_window",
     # checks.py
     "RankDisagreementError",
     "CollectiveError",

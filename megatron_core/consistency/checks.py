@@ -13,10 +13,10 @@ reinterpret bytes. This module gives the package two primitives and a switch:
   value (the readable values are gathered only on this slow path).
 * :func:`agreed_errors` wraps local checks: an error raised on one rank is shared through
   :func:`agree`, so its peers raise it too instead of blocking in the next collective.
-* The switch (mode.py, :class:`CheckMode`): by default (``WINDOW``) the first collectives of
+* The switch (switch.py, :class:`CheckMode`): by default (``WINDOW``) the first collectives of
   each group -- 4096 by default, a training iteration of usual models -- first call
   :func:`check_collective` (an :func:`agree` on their inputs), then none (NOTE [ Check window ]
-  in mode.py). Check mode (``ALWAYS``: ``MEGATRON_CORE_CHECK_CONSISTENCY=1``, :func:`enable`,
+  in switch.py). Check mode (``ALWAYS``: ``MEGATRON_CORE_CHECK_CONSISTENCY=1``, :func:`enable`,
   :func:`check_mode`, or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) agrees every collective; ``OFF``
   (``MEGATRON_CORE_CHECK_CONSISTENCY=0``, :func:`disable`) none.
 
@@ -59,7 +59,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_core.consistency import text as _text
-from megatron_core.consistency.mode import CheckMode, mode, should_check
+from megatron_core.consistency.switch import (
+    CheckMode,
+    close_window,
+    mode,
+    should_check,
+    windows_done,
+)
 from megatron_core.errors import MegatronCoreError
 
 describe_group = _text.describe_group  # public: "the tensor-model-parallel group (...)"
@@ -80,7 +86,8 @@ __all__ = [
 
 _SLOTS = 16  # int64 values per rank in every exchange (NOTE [ Agree before acting ], rule 1)
 _MAX_DIMS = 8  # shape dimensions stored as such; more are hashed
-_FAILED_SLOT = 14  # [magic, op, dtype, ndim, 8 dims, more dims, args, failed, 0]
+_FAILED_SLOT = 14  # [magic, op, dtype, ndim, 8 dims, more dims, args, failed, window done]
+_DONE_SLOT = 15  # this rank's windows are done (NOTE [ Check window ], rule 4); not compared
 _MAGIC = 0x4D435F4147524545  # "MC_AGREE": a rank in another exchange shows up as a mismatch
 # torch 2.13 renamed all_gather_into_tensor (the old name warns).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -183,7 +190,12 @@ def agree(
         return
     if content is not None:
         args = {**args, "content checksum": _text.checksum(content)}
-    table = _exchange(_descriptor(op, tensor, shape, dtype, args, error is not None), group, op)
+    values = _descriptor(op, tensor, shape, dtype, args, error is not None)
+    values[_DONE_SLOT] = int(windows_done())
+    table = _exchange(values, group, op)
+    if bool(table[:, _DONE_SLOT].any()):  # the same table on every rank: closed alike
+        close_window(group)
+    table = table[:, :_DONE_SLOT]
     failed = bool(table[:, _FAILED_SLOT].any())
     if not failed and bool((table == table[0]).all()):
         return
@@ -204,7 +216,7 @@ def check_collective(
 ) -> None:
     """:func:`agree` on ``op``, the tensor's shape / dtype, ``args`` and ``content`` across
     ``group`` when the mode says so (``should_check``: always in check mode, within the group's
-    window by default, NOTE [ Check window ] in mode.py); otherwise return at once (no checksum
+    window by default, NOTE [ Check window ] in switch.py); otherwise return at once (no checksum
     is computed). Called at the top of each collective of the package."""
     if should_check(group):
         agree(op, group, tensor, shape=shape, dtype=dtype, content=content, **args)

@@ -25,7 +25,13 @@ Three modes (:class:`CheckMode`); NOTE [ Check window ] says how the default one
    acting ]).
 3. Setting the mode or the window size (every rank alike, as the functions say) restarts every
    group's window; so does a new group (``initialize_model_parallel`` after a destroy).
-4. Outside the window nothing is exchanged: the cost is a dictionary lookup per collective.
+4. A group with rare collectives (once an iteration: the gradient norm over the model-parallel
+   group, the tied embeddings over the pipeline ends) would stay in its window for ``N``
+   iterations. So every check also carries whether this rank has made ``N`` checks in all
+   groups together (:func:`windows_done`: an iteration's worth has run), and a group closes its
+   window after any check in which a member says so (:func:`close_window`). The decision is
+   read from the gathered table, the same on every member, so rule 2 still holds.
+5. Outside the window nothing is exchanged: the cost is a dictionary lookup per collective.
    A local check that needs no peer stays on after the window (token ids inside the
    vocabulary: :func:`~megatron_core.consistency.check_ids`).
 """
@@ -57,6 +63,8 @@ __all__ = [
     "set_window",
     "should_check",
     "checked_count",
+    "windows_done",
+    "close_window",
 ]
 
 CHECK_ENV = "MEGATRON_CORE_CHECK_CONSISTENCY"
@@ -75,8 +83,9 @@ class CheckMode(enum.Enum):
     ALWAYS = "always"
 
 
-# [explicit mode or None, resolved mode or None (not read yet)], window size; per-group counts.
-_STATE: list = [None, None, None]
+# [explicit mode or None, resolved mode or None (not read yet), window size or None (not read
+# yet), checks made in all groups]; per-group counts of checks made (NOTE [ Check window ]).
+_STATE: list = [None, None, None, 0]
 _COUNTS: dict[str, int] = {}
 
 
@@ -104,10 +113,11 @@ def mode() -> CheckMode:
     return _STATE[1]
 
 
-def set_mode(new: CheckMode | str | None) -> CheckMode | None:
+def set_mode(new: CheckMode | str | None, *, restart_windows: bool = True) -> CheckMode | None:
     """Force ``new`` in this process (every rank must do the same), or None to follow the
-    environment again; restarts every group's window (NOTE [ Check window ], rule 3). Returns
-    the previous explicit setting."""
+    environment again; restarts every group's window (NOTE [ Check window ], rule 3) unless
+    ``restart_windows`` is False (e.g. to compare modes within one run). Returns the previous
+    explicit setting."""
     if new is not None and not isinstance(new, CheckMode):
         try:
             new = CheckMode(new)
@@ -118,8 +128,14 @@ def set_mode(new: CheckMode | str | None) -> CheckMode | None:
             ) from None
     previous = _STATE[0]
     _STATE[0], _STATE[1] = new, None
-    _COUNTS.clear()
+    if restart_windows:
+        _restart()
     return previous
+
+
+def _restart() -> None:
+    _COUNTS.clear()
+    _STATE[3] = 0
 
 
 def is_enabled() -> bool:
@@ -178,7 +194,7 @@ def set_window(size: int | None) -> None:
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
         raise MegatronCoreError(f"set_window: size ({size!r}) must be an int >= 0 or None")
     _STATE[2] = size
-    _COUNTS.clear()
+    _restart()
 
 
 def should_check(group: dist.ProcessGroup | None) -> bool:
@@ -199,6 +215,7 @@ def should_check(group: dist.ProcessGroup | None) -> bool:
     if dist.get_world_size(group) == 1:
         return False
     _COUNTS[key] = count + 1
+    _STATE[3] += 1
     return True
 
 
@@ -206,3 +223,15 @@ def checked_count(group: dist.ProcessGroup | None) -> int:
     """How many collectives on ``group`` (None: WORLD) the window has agreed so far."""
     group = dist.group.WORLD if group is None else group
     return _COUNTS.get(group.group_name, 0)
+
+
+def windows_done() -> bool:
+    """True in ``WINDOW`` mode once this rank has made :func:`window_size` checks in all groups
+    together (NOTE [ Check window ], rule 4)."""
+    return _STATE[3] >= window_size() and mode() is CheckMode.WINDOW
+
+
+def close_window(group: dist.ProcessGroup | None) -> None:
+    """End ``group``'s window now (called on every member alike: rule 4)."""
+    group = dist.group.WORLD if group is None else group
+    _COUNTS[group.group_name] = max(_COUNTS.get(group.group_name, 0), window_size())
