@@ -258,6 +258,14 @@ def _init_invalid_on_one_rank(tp):
     _init(3 if _last() else tp)
 
 
+def _modes_differ(tp):
+    # One rank in another consistency mode would stop checking at another collective than its
+    # peers: initialize_model_parallel's agreement (always on) names it first.
+    if _last():
+        consistency.set_mode("always" if consistency.mode().value != "always" else "window")
+    _init(tp)
+
+
 def _finalize_grads_of_different_models(tp):
     # Data-parallel replicas whose models differ (one rank built a wider layer): the flat
     # gradient buffers differ in size; gloo would abort or mix the bytes.
@@ -317,6 +325,9 @@ CASES = {
         _init_invalid_on_one_rank,
         ("initialize_model_parallel", "tensor_model_parallel_size", "= 3", "WORLD", "invalid"),
         always=True,
+    ),
+    "modes_differ": Case(
+        _modes_differ, ("initialize_model_parallel", "consistency mode", "always 4096"), always=True
     ),
     "finalize_grads_of_different_models": Case(
         _finalize_grads_of_different_models, ("finalize_model_grads all_reduce", "shape")

@@ -64,6 +64,7 @@ from megatron_core.consistency.switch import (
     close_window,
     mode,
     should_check,
+    window_size,
     windows_done,
 )
 from megatron_core.errors import MegatronCoreError
@@ -190,6 +191,8 @@ def agree(
         return
     if content is not None:
         args = {**args, "content checksum": _text.checksum(content)}
+    # Ranks in different modes or windows would stop checking at different collectives.
+    args["consistency mode"] = f"{mode().value} {window_size()}"
     values = _descriptor(op, tensor, shape, dtype, args, error is not None)
     values[_DONE_SLOT] = int(windows_done())
     table = _exchange(values, group, op)
