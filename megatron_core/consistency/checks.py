@@ -40,7 +40,10 @@ those, and :func:`collective_failed` turns torch's errors (that mismatch, a time
    Data-dependent sizes (the readable values, error texts) are exchanged only after every rank
    has seen the same fixed-size result and decided, identically, to exchange them.
 2. Every rank decides from the same gathered table, so every rank raises the same message or
-   none raises: no rank is left in a collective its peers never enter.
+   none raises: no rank is left in a collective its peers never enter. The same table closes
+   a group's check window on every member alike (its last slot, not compared: NOTE [ Check
+   window ] in switch.py, rule 4); the compared arguments include each rank's consistency mode
+   and window size.
 3. Checks run BEFORE the local validation of a collective's inputs: once shapes and arguments
    agree, a local check that depends only on them fails on every rank alike.
 4. A local check that depends on per-rank data (a rank's own rows against its split size, the

@@ -15,8 +15,9 @@ Three modes (:class:`CheckMode`); NOTE [ Check window ] says how the default one
 
 # NOTE [ Check window ]
 1. One counter per process group, keyed by the group's name (``ProcessGroup.group_name``:
-   the same on every member, new for every group created, never reused), counting the checks
-   :func:`should_check` approved on that group.
+   the same on every member, unique per communicator), counting the checks
+   :func:`should_check` approved on that group. Every rank must run the same mode and window
+   size; each agreement compares them (a difference raises at ``initialize_model_parallel``).
 2. A check on a group is itself a collective of that group (one fixed-size all-gather), so while
    the ranks issue the same collectives, every member approves the same checks and the counters
    stay equal; the window closes on every member at the same count, and no member is ever in
@@ -24,7 +25,9 @@ Three modes (:class:`CheckMode`); NOTE [ Check window ] says how the default one
    between the ranks is, inside the window, caught by its check (rule 1 of NOTE [ Agree before
    acting ]).
 3. Setting the mode or the window size (every rank alike, as the functions say) restarts every
-   group's window; so does a new group (``initialize_model_parallel`` after a destroy).
+   group's window; a new communicator starts its own. One that ``initialize_model_parallel``
+   reuses after a destroy (the package keeps communicators) keeps its count, which its members,
+   with the same history, agree on.
 4. A group with rare collectives (once an iteration: the gradient norm over the model-parallel
    group, the tied embeddings over the pipeline ends) would stay in its window for ``N``
    iterations. So every check also carries whether this rank has made ``N`` checks in all
@@ -226,9 +229,9 @@ def checked_count(group: dist.ProcessGroup | None) -> int:
 
 
 def windows_done() -> bool:
-    """True in ``WINDOW`` mode once this rank has made :func:`window_size` checks in all groups
-    together (NOTE [ Check window ], rule 4)."""
-    return _STATE[3] >= window_size() and mode() is CheckMode.WINDOW
+    """True once this rank has made :func:`window_size` window checks in all groups together
+    since the windows (re)started (NOTE [ Check window ], rule 4)."""
+    return _STATE[3] >= window_size()
 
 
 def close_window(group: dist.ProcessGroup | None) -> None:
