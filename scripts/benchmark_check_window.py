@@ -52,17 +52,44 @@ from megatron_core.training import (
 from megatron_core.training.pipeline_step import reseed_stage, virtual_pipeline_size
 
 _EXCHANGES = [0]
+_HOOKS = [0]
 
 
 def _count_exchanges() -> None:
-    """Count every consistency exchange (the all-gather of checks._exchange) on this rank."""
-    original = checks._exchange
+    """Count every consistency exchange (the all-gather of checks._exchange) and every call of
+    the switch (checks.should_check: one per collective hook) on this rank."""
+    exchange, should_check = checks._exchange, checks.should_check
 
     def counted(*args, **kwargs):
         _EXCHANGES[0] += 1
-        return original(*args, **kwargs)
+        return exchange(*args, **kwargs)
 
-    checks._exchange = counted
+    def counted_hook(group):
+        _HOOKS[0] += 1
+        return should_check(group)
+
+    checks._exchange, checks.should_check = counted, counted_hook
+
+
+def _hook_costs_us(group) -> dict[str, float]:
+    """Per call, microseconds: the collective hook and the embedding-id check, window closed
+    (``set_window(0)``: the code path after the window) and checks off."""
+    ids = torch.zeros(8, 128, dtype=torch.long, device=device.current_device())
+    costs = {}
+    for name, mode in (("default", CheckMode.WINDOW), ("off", CheckMode.OFF)):
+        consistency.set_mode(mode)
+        consistency.set_window(0)
+        start = time.perf_counter()
+        for _ in range(20000):
+            checks.check_collective("all_reduce", group, ids)
+        costs[f"{name} hook"] = (time.perf_counter() - start) / 20000 * 1e6
+        start = time.perf_counter()
+        for _ in range(2000):
+            checks.check_ids("embedding", group, ids, 256)
+        costs[f"{name} ids"] = (time.perf_counter() - start) / 2000 * 1e6
+    consistency.set_window(None)
+    consistency.set_mode(None)
+    return costs
 
 
 def _slowest(value: float) -> float:
@@ -139,10 +166,11 @@ def _steady_phase(job: _Job, rounds: int, iters: int) -> dict[str, list[float]]:
         order = ("default", "off") if index % 2 == 0 else ("off", "default")
         for name in order:
             consistency.set_mode(modes[name], restart_windows=False)
-            before = _EXCHANGES[0]
+            before, hooks = _EXCHANGES[0], _HOOKS[0]
             times[name].append(job.run(iters) / iters * 1e3)
+            exchanges[f"{name} hooks"] = (_HOOKS[0] - hooks) / iters
             times[f"{name} cpu"].append(job.cpu_s / iters * 1e3)
-            exchanges[name] += _EXCHANGES[0] - before
+            exchanges[name] += int(_slowest(_EXCHANGES[0] - before))  # the most on any rank
     consistency.set_mode(None)
     return times, exchanges
 
@@ -160,6 +188,9 @@ def run(argv: list[str], rounds: int, iters: int, warmup: int) -> list[str] | No
     ratios = [d / o for d, o in zip(times["default"], times["off"])]
     cpu_ratios = [d / o for d, o in zip(times["default cpu"], times["off cpu"])]
     args = job.args
+    hook = _hook_costs_us(parallel_state.get_tensor_model_parallel_group())
+    per_iteration_us = exchanges["default hooks"] * (hook["default hook"] - hook["off hook"])
+    per_iteration_us += hook["default ids"] - hook["off ids"]  # one embedding forward
     parallel_state.destroy_model_parallel()
     if dist.get_rank() != 0:
         return None
@@ -182,8 +213,13 @@ def run(argv: list[str], rounds: int, iters: int, warmup: int) -> list[str] | No
         f"{median['default cpu']:.1f}, off {median['off cpu']:.1f}, default / off "
         f"{median['default cpu'] / median['off cpu']:.4f}; median per-round ratio "
         f"{statistics.median(cpu_ratios):.4f}",
-        f"consistency exchanges on rank 0 in the steady rounds: default {exchanges['default']}, "
+        f"consistency exchanges in the steady rounds (the most on one rank, per round, summed): "
+        f"default {exchanges['default']}, "
         f"off {exchanges['off']} (the always-on cross-entropy target agreement)",
+        f"switch after the window, per call: collective hook {hook['default hook']:.2f} us "
+        f"(off {hook['off hook']:.2f}), embedding-id check {hook['default ids']:.1f} us (off "
+        f"{hook['off ids']:.1f}); {exchanges['default hooks']:.0f} hooks per iteration on rank 0: "
+        f"{per_iteration_us:.0f} us per iteration = {per_iteration_us / 10 / off:.4f}% of off",
         "per-round ms/iteration: default "
         + ", ".join(f"{t:.1f}" for t in times["default"])
         + "; off "
