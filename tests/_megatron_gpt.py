@@ -8,6 +8,7 @@ compare runs, they do not measure them.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,7 @@ def config_of(run: Run):
         extra.update(
             num_moe_experts=4,
             moe_router_topk=2,
-            moe_token_dispatcher_type="alltoall",
+            moe_token_dispatcher_type="allgather",
             moe_aux_loss_coeff=0.0,
             expert_model_parallel_size=run.ep,
         )
@@ -102,11 +103,25 @@ def config_of(run: Run):
     )
 
 
+def _router_logits_on_cpu(router, hidden: torch.Tensor) -> torch.Tensor:
+    """The router's logits where its weight lives. megatron-core 0.16.1's ``TopKRouter.gating``
+    cannot run on CPU: it moves a CPU weight to ``torch.cuda.current_device()`` (moe/router.py,
+    "Torch not compiled with CUDA enabled"), and without Transformer Engine its
+    ``router_gating_linear`` raises "NameError: name 'te_general_gemm' is not defined"
+    (moe/moe_utils.py). A CPU user computes the same logits with torch (in the routing dtype)."""
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
+        router.config.moe_router_dtype, hidden.dtype
+    )
+    bias = None if router.bias is None else router.bias.to(dtype)
+    return torch.nn.functional.linear(hidden.to(dtype), router.weight.to(dtype), bias)
+
+
 def build_model(run: Run, pre_process: bool = True, post_process: bool = True):
     """megatron-core's own GPTModel (local spec) for ``run`` on this rank."""
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe.router import TopKRouter
 
-    return GPTModel(
+    model = GPTModel(
         config=config_of(run),
         transformer_layer_spec=_layer_spec(run),
         vocab_size=VOCAB,
@@ -114,6 +129,10 @@ def build_model(run: Run, pre_process: bool = True, post_process: bool = True):
         pre_process=pre_process,
         post_process=post_process,
     )
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.gating = types.MethodType(_router_logits_on_cpu, module)
+    return model
 
 
 def batch(step: int, microbatch: int = 0) -> dict[str, torch.Tensor]:
@@ -172,13 +191,22 @@ def load_full(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
 
 
 def _layer_names(model: torch.nn.Module) -> dict[str, str]:
-    """Local parameter name -> the name it has at pp = 1 (stages number their layers from 0)."""
+    """Local parameter name -> its name at pp = ep = 1 (stages number their layers from 0, expert
+    ranks their local experts)."""
+    from megatron.core import parallel_state
+
     names = {}
     layers = getattr(getattr(model, "decoder", None), "layers", [])
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
     for name, _ in model.named_parameters():
         parts = name.split(".")
         if parts[:2] == ["decoder", "layers"]:
-            parts[2] = str(layers[int(parts[2])].layer_number - 1)
+            layer = layers[int(parts[2])]
+            parts[2] = str(layer.layer_number - 1)
+            if "local_experts" in parts:
+                at = parts.index("local_experts") + 1
+                per_rank = len(layer.mlp.experts.local_experts)
+                parts[at] = str(ep_rank * per_rank + int(parts[at]))
         names[name] = ".".join(parts)
     return names
 
@@ -197,7 +225,7 @@ def _forward_step(data_iterator, model):
 
 
 def train(run: Run, full: dict[str, torch.Tensor] | None) -> dict:
-    """``run.steps`` Adam steps of megatron-core's GPTModel through megatron-core's schedule API.
+    """``run.steps`` SGD steps of megatron-core's GPTModel through megatron-core's schedule API.
 
     Returns the losses (last stage), and per step the unsharded gradients of this rank's
     parameters under their pp = 1 names, and the unsharded final parameters.
@@ -216,7 +244,9 @@ def train(run: Run, full: dict[str, torch.Tensor] | None) -> dict:
     if full is not None:
         load_full(model, {n: full[g] for n, g in _layer_names(model).items()})
     names = _layer_names(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    # SGD: a linear step keeps fp32 summation-order differences at their size (Adam's
+    # normalization would blow up those of near-zero gradients).
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, grads = [], []
     for step in range(run.steps):
         optimizer.zero_grad()

@@ -7,8 +7,11 @@ own parameters. Before the optimizer step:
    weight/bias, position embeddings under SP) saw only this rank's part of the sequence; its
    gradient is summed over the tensor-parallel group.
 2. Data-parallel grads: every gradient is averaged over the data-parallel group (summed instead
-   when ``num_tokens`` is given: rule 4 divides by the global token count). A chunk that has its
-   own ``finish_grad_sync()`` (a DDP wrapper) does this itself.
+   when ``num_tokens`` is given: rule 4 divides by the global token count). Expert parameters
+   (``allreduce = False``) differ between expert-parallel ranks: they are summed over the
+   expert-data-parallel group and divided by the (dense) data-parallel size, as megatron-core's
+   DDP scales them, since their gradients already hold the tokens of every rank they were routed
+   from. A chunk that has its own ``finish_grad_sync()`` (a DDP wrapper) does this itself.
 3. Tied embeddings: with pp > 1 the word embedding lives on the first stage and its copy (the
    output layer's weight) on the last; their gradients are summed over the embedding group so both
    copies take the same step and stay equal. The copy is marked ``shared = True`` so that grad
@@ -94,6 +97,27 @@ def _allreduce_embedding_grads(model: list[torch.nn.Module], pg_collection) -> N
     _flat_all_reduce(grads, group, None)
 
 
+def _allreduce_data_parallel_grads(chunk, dp_group, pg_collection, average: bool) -> None:
+    """NOTE [ Gradient finalization ], rule 2, for a chunk without a DDP wrapper."""
+    dp_size = dist.get_world_size(dp_group)
+    scale = 1 / dp_size if average else None
+    dense, expert = [], []
+    for param in chunk.parameters():
+        if _grad(param) is not None:
+            (expert if getattr(param, "allreduce", True) is False else dense).append(_grad(param))
+    if dense and dp_size > 1:
+        _flat_all_reduce(dense, dp_group, scale)
+    if expert:
+        expert_dp_group = _group(
+            pg_collection, "expt_dp", parallel_state.get_expert_data_parallel_group
+        )
+        if dist.get_world_size(expert_dp_group) > 1:
+            _flat_all_reduce(expert, expert_dp_group, scale)
+        elif scale is not None and scale != 1:
+            for grad in expert:
+                grad.mul_(scale)
+
+
 def finalize_model_grads(
     model: list[torch.nn.Module],
     num_tokens: torch.Tensor | None = None,
@@ -123,14 +147,11 @@ def finalize_model_grads(
     )
     for chunk in model:  # rule 1
         allreduce_sequence_parallel_grads(chunk, tp_group)
-    dp_size = dist.get_world_size(dp_group)
     for chunk in model:  # rule 2
         if hasattr(chunk, "finish_grad_sync"):
             chunk.finish_grad_sync()
-        elif dp_size > 1:
-            grads = [_grad(p) for p in chunk.parameters() if _grad(p) is not None]
-            if grads:
-                _flat_all_reduce(grads, dp_group, None if num_tokens is not None else 1 / dp_size)
+        else:
+            _allreduce_data_parallel_grads(chunk, dp_group, pg_collection, num_tokens is None)
     _allreduce_embedding_grads(model, pg_collection)  # rule 3
     if num_tokens is not None:  # rule 4
         pp_group = _group(pg_collection, "pp", parallel_state.get_pipeline_model_parallel_group)
