@@ -7,8 +7,10 @@ compare runs, they do not measure them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
+import unittest.mock
 
 import torch
 import torch.distributed as dist
@@ -273,3 +275,47 @@ def initial_state(run: Run) -> dict[str, torch.Tensor]:
     initialize(dataclasses.replace(run, tp=1, pp=1, ep=1, sp=False))
     model = build_model(dataclasses.replace(run, tp=1, pp=1, ep=1, sp=False))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def _cpu_only_save():
+    """megatron-core 0.16.1's torch_dist save strategy assumes CUDA twice: it copies the tensors
+    to host and then calls ``torch.cuda.synchronize()`` unconditionally
+    (dist_checkpointing/strategies/filesystem_async.py, preload_tensors), and it agrees on
+    failures with a tensor made on ``torch.cuda.current_device()``
+    (strategies/state_dict_saver.py, save_state_dict_async_finalize); both raise "AssertionError:
+    Torch not compiled with CUDA enabled" on a CPU-only torch. With no CUDA there is nothing to
+    wait for and the CPU is the device, so a CPU user patches those two calls for the save."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with (
+        unittest.mock.patch.object(torch.cuda, "synchronize", lambda device=None: None),
+        unittest.mock.patch.object(torch.cuda, "current_device", lambda: "cpu"),
+    ):
+        yield
+
+
+def save_checkpoint(run: Run, full: dict[str, torch.Tensor], directory: str) -> dict:
+    """Save megatron-core's GPTModel with megatron-core's dist_checkpointing; return the
+    unsharded parameters that were saved."""
+    initialize(run)
+    from megatron.core import dist_checkpointing
+
+    model = build_model(run)
+    load_full(model, full)
+    with _cpu_only_save():
+        dist_checkpointing.save(model.sharded_state_dict(), directory)
+    return {n: full_tensor(p, p) for n, p in model.named_parameters()}
+
+
+def load_checkpoint(run: Run, directory: str) -> dict:
+    """Load the checkpoint into a fresh model of ``run`` (another seed, so nothing matches by
+    accident); return its unsharded parameters."""
+    initialize(dataclasses.replace(run, seed=run.seed + 1))
+    from megatron.core import dist_checkpointing
+
+    model = build_model(run)
+    state = dist_checkpointing.load(model.sharded_state_dict(), directory)
+    model.load_state_dict(state)
+    return {n: full_tensor(p, p) for n, p in model.named_parameters()}

@@ -65,6 +65,7 @@ from megatron_core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron_core.tensor_parallel.sharded_state import sharded_state_dict_of_layer
 
 __all__ = [
     "ColumnParallelLinear",
@@ -90,6 +91,8 @@ def _default_extra_state(state_dict, prefix, *args) -> None:
 
 class _ParallelLinearBase(torch.nn.Module):
     """What both parallel linear layers share: group, sizes, weight creation, bias flags."""
+
+    _TP_AXES: dict[str, int] = {}  # state-dict name -> axis split over TP (sharded_state_dict)
 
     def _setup(self, layer, config, tp_group, is_expert, stride):
         self.config = config
@@ -137,6 +140,12 @@ class _ParallelLinearBase(torch.nn.Module):
     def get_extra_state(self) -> None:
         """None, stored as ``<prefix>_extra_state`` in the state dict, as megatron-core does."""
         return None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None) -> dict:
+        """megatron-core's dist_checkpointing view of this layer: the weight (and a column
+        layer's bias) split over TP, other tensors replicated, ``_extra_state`` an object.
+        See NOTE [ Sharded state dict ] in tensor_parallel/sharded_state.py."""
+        return sharded_state_dict_of_layer(self, prefix, self._TP_AXES, sharded_offsets, metadata)
 
     def extra_repr(self) -> str:
         return (
@@ -187,6 +196,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
         MegatronCoreError: output_size not divisible by the TP size, a bad stride, or
             defer_embedding_wgrad_compute without both buffers.
     """
+
+    _TP_AXES = {"weight": 0, "bias": 0}  # NOTE [ Sharded state dict ], rule 1
 
     def __init__(
         self,
@@ -349,6 +360,8 @@ class RowParallelLinear(_ParallelLinearBase):
         MegatronCoreError: input_size not divisible by the TP size, sequence parallelism without
             input_is_parallel, or an expert layer without skip_bias_add.
     """
+
+    _TP_AXES = {"weight": 1}  # the bias is replicated (NOTE [ Sharded state dict ])
 
     def __init__(
         self,
