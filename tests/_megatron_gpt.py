@@ -278,7 +278,7 @@ def initial_state(run: Run) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _cpu_only_save():
+def cpu_only_cuda_calls():
     """megatron-core 0.16.1's torch_dist save strategy assumes CUDA twice: it copies the tensors
     to host and then calls ``torch.cuda.synchronize()`` unconditionally
     (dist_checkpointing/strategies/filesystem_async.py, preload_tensors), and it agrees on
@@ -304,7 +304,7 @@ def save_checkpoint(run: Run, full: dict[str, torch.Tensor], directory: str) -> 
 
     model = build_model(run)
     load_full(model, full)
-    with _cpu_only_save():
+    with cpu_only_cuda_calls():
         dist_checkpointing.save(model.sharded_state_dict(), directory)
     return {n: full_tensor(p, p) for n, p in model.named_parameters()}
 

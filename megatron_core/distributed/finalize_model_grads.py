@@ -18,11 +18,20 @@ own parameters. Before the optimizer step:
    norms and parameter counts see the tied weight once.
 4. ``num_tokens`` (per-token loss): the last stage's count is broadcast over the pipeline, summed
    over data-parallel ranks, and every gradient is divided by it.
-The order (TP, DP, embeddings) is the one megatron_core's training loop used before pipelining,
-so pp = 1 runs reduce in the same order as before.
+5. Other TP-replicated parameters (megatron-core's rules): a parameter marked
+   ``average_gradients_across_tp_domain`` is averaged over the tensor-parallel group; with
+   ``config.qk_layernorm`` the ``q_layernorm`` / ``k_layernorm`` parameters (each TP rank saw
+   its own heads) are summed over it.
+6. Order. A chunk wrapped in megatron-core's DistributedDataParallel (it has
+   ``finish_grad_sync``) finishes its data-parallel reduction first, as megatron-core does: its
+   reduction may still be in flight (``overlap_grad_reduce``) on the very buffers rules 1 and 5
+   then reduce. Plain chunks keep megatron_core's older order (TP, DP, embeddings), so their
+   runs reduce exactly as before. ``num_tokens`` scaling uses a wrapper's ``scale_gradients``.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -97,6 +106,37 @@ def _allreduce_embedding_grads(model: list[torch.nn.Module], pg_collection) -> N
     _flat_all_reduce(grads, group, None)
 
 
+def _finish_grad_sync(chunk, force_all_reduce) -> None:
+    """A DDP wrapper's data-parallel reduction (rule 6), passing ``force_all_reduce`` where its
+    ``finish_grad_sync`` takes it (megatron-core 0.16.1's does)."""
+    if "force_all_reduce" in inspect.signature(chunk.finish_grad_sync).parameters:
+        chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
+    else:
+        chunk.finish_grad_sync()
+
+
+def _allreduce_tensor_parallel_replicas(chunk: torch.nn.Module, tp_group) -> None:
+    """NOTE [ Gradient finalization ], rule 5."""
+    if dist.get_world_size(tp_group) == 1:
+        return
+    config = getattr(chunk, "config", None)
+    qk_layernorm = bool(getattr(config, "qk_layernorm", False))
+    summed, averaged = [], []
+    for name, param in chunk.named_parameters():
+        if not param.requires_grad or _grad(param) is None:
+            continue
+        if getattr(param, "average_gradients_across_tp_domain", False):
+            averaged.append(_grad(param))
+        elif getattr(param, "sequence_parallel", False):
+            continue  # rule 1 summed it already
+        elif qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name):
+            summed.append(_grad(param))
+    if summed:
+        _flat_all_reduce(summed, tp_group, None)
+    if averaged:
+        _flat_all_reduce(averaged, tp_group, 1 / dist.get_world_size(tp_group))
+
+
 def _allreduce_data_parallel_grads(chunk, dp_group, pg_collection, average: bool) -> None:
     """NOTE [ Gradient finalization ], rule 2, for a chunk without a DDP wrapper."""
     dp_size = dist.get_world_size(dp_group)
@@ -135,7 +175,8 @@ def finalize_model_grads(
             stage), or None for a loss already averaged per microbatch.
         pg_collection: optional object with ``tp``, ``pp``, ``dp_cp`` and ``embd`` groups; absent
             groups come from parallel_state.
-        force_all_reduce: accepted for megatron-core compatibility (always all-reduce here).
+        force_all_reduce: passed to a DDP wrapper's ``finish_grad_sync`` (all-reduce instead of
+            the distributed optimizer's reduce-scatter); plain chunks always all-reduce.
     """
     if isinstance(model, torch.nn.Module):
         model = [model]
@@ -145,12 +186,14 @@ def finalize_model_grads(
         "dp_cp",
         lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
     )
-    for chunk in model:  # rule 1
-        allreduce_sequence_parallel_grads(chunk, tp_group)
-    for chunk in model:  # rule 2
+    for chunk in model:  # rule 6: a DDP wrapper's reduction first
         if hasattr(chunk, "finish_grad_sync"):
-            chunk.finish_grad_sync()
-        else:
+            _finish_grad_sync(chunk, force_all_reduce)
+    for chunk in model:  # rules 1 and 5
+        allreduce_sequence_parallel_grads(chunk, tp_group)
+        _allreduce_tensor_parallel_replicas(chunk, tp_group)
+    for chunk in model:  # rule 2
+        if not hasattr(chunk, "finish_grad_sync"):
             _allreduce_data_parallel_grads(chunk, dp_group, pg_collection, num_tokens is None)
     _allreduce_embedding_grads(model, pg_collection)  # rule 3
     if num_tokens is not None:  # rule 4
@@ -161,6 +204,9 @@ def finalize_model_grads(
         consistency.checked_all_reduce("finalize_model_grads num_tokens", count, dp_group)
         scale = 1.0 / max(count.item(), 1.0)
         for chunk in model:
+            if hasattr(chunk, "scale_gradients"):  # a DDP wrapper scales its buffers
+                chunk.scale_gradients(scale)
+                continue
             for p in chunk.parameters():
                 if _grad(p) is not None:
                     _grad(p).mul_(scale)
