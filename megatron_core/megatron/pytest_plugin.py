@@ -36,7 +36,8 @@ def pytest_addoption(parser) -> None:
 def _asked(early_config) -> bool:
     from megatron_core.megatron import SWITCH_ENV
 
-    if early_config.getoption(SWITCH_FLAG, default=False):
+    # Before the conftests load, only the pre-parsed arguments are there.
+    if getattr(early_config.known_args_namespace, "megatron_core_switch", False):
         return True
     return os.environ.get(SWITCH_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
