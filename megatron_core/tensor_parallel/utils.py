@@ -7,31 +7,10 @@ Two owners write this file; each edits only its own section.
 import torch
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.utils import divide, ensure_divisibility  # noqa: F401 (megatron-core path)
 
 # No module-level __all__ here: two sections share this file; the package __init__ lists the
 # public names. `torch` and `MegatronCoreError` above are available to the section below as well.
-
-
-def ensure_divisibility(numerator: int, denominator: int) -> None:
-    """Raise unless ``denominator`` is a positive integer that divides ``numerator``.
-
-    Raises:
-        MegatronCoreError: naming both values, e.g. ``10 is not divisible by 4``.
-    """
-    if not isinstance(denominator, int) or denominator < 1:
-        raise MegatronCoreError(f"divisor ({denominator!r}) must be a positive integer")
-    if not isinstance(numerator, int) or numerator % denominator:
-        raise MegatronCoreError(f"{numerator!r} is not divisible by {denominator!r}")
-
-
-def divide(numerator: int, denominator: int) -> int:
-    """``numerator // denominator``, after checking that the division is exact.
-
-    Raises:
-        MegatronCoreError: if ``denominator`` does not divide ``numerator``.
-    """
-    ensure_divisibility(numerator, denominator)
-    return numerator // denominator
 
 
 def split_tensor_along_last_dim(
