@@ -73,7 +73,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_core._testing_worker import (
+from megatron_core.errors import MegatronCoreError
+from megatron_core.testing.worker import (
     _PROTOCOL,
     _STOP,
     RESET_SEED,
@@ -82,7 +83,6 @@ from megatron_core._testing_worker import (
     _worker_main,
     harness_device_type,
 )
-from megatron_core.errors import MegatronCoreError
 
 __all__ = [
     "DistributedTestError",
@@ -137,7 +137,7 @@ def _context() -> multiprocessing.context.BaseContext:
     )
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["megatron_core._testing_worker"])  # torch + megatron_core, once
+        ctx.set_forkserver_preload(["megatron_core.testing.worker"])  # torch + megatron_core, once
     return ctx
 
 
