@@ -16,6 +16,7 @@ from megatron_core import parallel_state as ps
 from megatron_core import utils
 from megatron_core.errors import MegatronCoreError
 from megatron_core.testing import run_distributed
+from megatron_core.utils import nvtx
 
 
 @pytest.fixture(scope="module")
@@ -142,17 +143,17 @@ def _caller_pushes():
     utils.nvtx_range_push()
     utils.nvtx_range_pop()
     utils.nvtx_range_push(suffix="s")
-    return list(utils._nvtx_range_messages)
+    return list(nvtx._nvtx_range_messages)
 
 
 def test_nvtx_ranges(monkeypatch):
-    monkeypatch.setattr(utils, "_nvtx_range_messages", [])
+    monkeypatch.setattr(nvtx, "_nvtx_range_messages", [])
     utils.nvtx_range_pop("never pushed")  # disabled (the default): nothing happens
     plain = lambda: 1  # noqa: E731
     assert utils.nvtx_decorator()(plain) is plain
-    monkeypatch.setattr(utils, "_nvtx_enabled", False)
+    monkeypatch.setattr(nvtx, "_nvtx_enabled", False)
     utils.configure_nvtx_profiling(True)
-    assert utils._nvtx_enabled
+    assert nvtx._nvtx_enabled
     assert _caller_pushes() == [f"{__name__}._caller_pushes.s"]
     with pytest.raises(ValueError, match="innermost"):
         utils.nvtx_range_pop("other")
@@ -197,7 +198,7 @@ def _body_group_helpers(tp):
     assert utils.get_pg_src_rank(tp_group) == rank - rank % tp
     assert utils.get_pg_src_rank(dp_group) == rank % tp
     # The sharded-tensor factories default to parallel_state's tp and dp x cp groups.
-    from megatron_core import _utils_tensors
+    from megatron_core.utils import tensors as _utils_tensors
 
     assert _utils_tensors._groups({}) == (tp_group, dp_group)
     assert _utils_tensors._groups({"tp_group": tp_group}) == (tp_group, None)

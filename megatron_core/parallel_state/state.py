@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.parallel_state.layout import ParallelSizes
-from megatron_core.utils import GlobalMemoryBuffer
+from megatron_core.parallel_state.memory_buffer import GlobalMemoryBuffer
 
 __all__ = [
     "ParallelState",

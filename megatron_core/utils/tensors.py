@@ -1,4 +1,4 @@
-"""Tensor helpers of ``megatron_core.utils`` (private; re-exported there).
+"""Tensor helpers of ``megatron_core.utils`` (re-exported there).
 
 Viewless tensors, the deferred embedding weight-gradient of pipeline drains, and sharded tensors
 for megatron-core's ``dist_checkpointing`` (optional: the ``[megatron]`` extra).
@@ -16,9 +16,16 @@ for megatron-core's ``dist_checkpointing`` (optional: the ``[megatron]`` extra).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from megatron_core._utils_groups import get_pg_rank, get_pg_size
+from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
+from megatron_core.utils.groups import get_pg_rank, get_pg_size
+
+try:  # apex's fused weight-gradient GEMMs; optional (DESIGN.md, apex rule)
+    import fused_weight_gradient_mlp_cuda as _apex_wgrad
+except ImportError:
+    _apex_wgrad = None
 
 __all__ = [
     "make_viewless_tensor",
@@ -115,6 +122,32 @@ def prepare_input_tensors_for_wgrad_compute(grad_output, all_gathered_input):
     return grad_output, all_gathered_input
 
 
+def _all_gather_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``input_`` of ``group`` concatenated along dim 0, in rank order."""
+    consistency.check_collective("all_gather", group, input_)
+    input_ = input_.contiguous()
+    parts = [torch.empty_like(input_) for _ in range(dist.get_world_size(group))]
+    with consistency.named_failures("all_gather", group):
+        dist.all_gather(parts, input_, group=group)
+    return torch.cat(parts, dim=0)
+
+
+def _accumulate_wgrad(grad_output, total_input, main_grad: torch.Tensor) -> None:
+    """``main_grad += grad_output^T @ total_input`` (2-D): apex's fused GEMM on cuda when it
+    imports, else torch in main_grad's dtype (tensor_parallel's linear backward does the same)."""
+    if main_grad.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise MegatronCoreError(
+            f"drain_embedding_wgrad_compute: main_grad dtype {main_grad.dtype} is not "
+            f"float32, float16 or bfloat16"
+        )
+    if _apex_wgrad is not None and total_input.device.type == "cuda":
+        fp32 = main_grad.dtype == torch.float32
+        kernel = _apex_wgrad.wgrad_gemm_accum_fp32 if fp32 else _apex_wgrad.wgrad_gemm_accum_fp16
+        kernel(total_input, grad_output, main_grad)
+    else:
+        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+
+
 def drain_embedding_wgrad_compute(
     config, embedding_activation_buffer, grad_output_buffer, weight, tp_group
 ) -> None:
@@ -123,16 +156,12 @@ def drain_embedding_wgrad_compute(
     Pops every input from ``embedding_activation_buffer`` and every output gradient from
     ``grad_output_buffer`` (both emptied, in order). Under ``config.sequence_parallel`` each input
     [s/tp, b, h] is all-gathered over ``tp_group`` to [s, b, h] first. With
-    ``config.gradient_accumulation_fusion`` each ``grad_output^T @ input`` is added into
-    ``weight.main_grad`` (as megatron-core does; without it nothing is accumulated). Pure torch,
-    or apex's fused GEMM when it is installed (tensor_parallel's linear rule).
+    ``config.gradient_accumulation_fusion`` each ``grad_output^T @ input`` (over all s*b rows) is
+    added into ``weight.main_grad``; without it nothing is accumulated (as in megatron-core).
 
     Raises:
         MegatronCoreError: the two buffers differ in length, or main_grad is not fp32/fp16/bf16.
     """
-    from megatron_core.tensor_parallel import _collectives
-    from megatron_core.tensor_parallel.linear_impl import _weight_grad
-
     if len(embedding_activation_buffer) != len(grad_output_buffer):
         raise MegatronCoreError(
             f"drain_embedding_wgrad_compute: {len(embedding_activation_buffer)} activations but "
@@ -142,18 +171,12 @@ def drain_embedding_wgrad_compute(
         total_input = embedding_activation_buffer.pop(0)
         grad_output = grad_output_buffer.pop(0)
         if config.sequence_parallel:
-            total_input = _collectives.all_gather_first_dim(total_input, tp_group)
+            total_input = _all_gather_first_dim(total_input, tp_group)
         grad_output, total_input = prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
         if hasattr(weight, "__fsdp_param__"):
             weight.main_grad = weight.get_main_grad()
-        if not config.gradient_accumulation_fusion:
-            continue
-        if weight.main_grad.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise MegatronCoreError(
-                f"drain_embedding_wgrad_compute: main_grad dtype {weight.main_grad.dtype} is not "
-                f"float32, float16 or bfloat16"
-            )
-        _weight_grad(grad_output, total_input, weight.main_grad)
+        if config.gradient_accumulation_fusion:
+            _accumulate_wgrad(grad_output, total_input, weight.main_grad)
 
 
 def _sharded_tensor_type():
@@ -173,8 +196,6 @@ def _groups(kwargs: dict):
     tp_group = kwargs.pop("tp_group", None)
     dp_cp_group = kwargs.pop("dp_cp_group", None)
     if tp_group is None and dp_cp_group is None:
-        from megatron_core import parallel_state
-
         tp_group = parallel_state.get_tensor_model_parallel_group()
         dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     return tp_group, dp_cp_group

@@ -1,8 +1,4 @@
-"""Process-group and wrapped-model helpers of ``megatron_core.utils`` (private; re-exported there).
-
-A leaf: parallel_state (which imports ``megatron_core.utils`` for its memory buffer) is imported
-inside the one function that reads it, never at module level.
-"""
+"""Process-group and wrapped-model helpers of ``megatron_core.utils`` (re-exported there)."""
 
 from __future__ import annotations
 
@@ -10,6 +6,8 @@ import warnings
 from typing import Any
 
 import torch.distributed as dist
+
+from megatron_core import parallel_state
 
 __all__ = [
     "get_tensor_model_parallel_group_if_none",
@@ -43,8 +41,6 @@ def get_tensor_model_parallel_group_if_none(
     """
     if not dist.is_initialized():
         return None
-    from megatron_core import parallel_state
-
     if not parallel_state.is_initialized() or tp_group is not None:
         return tp_group
     if dist.get_rank() == 0:
