@@ -174,3 +174,18 @@ def test_hyper_grid_create_pg(world_size, shape, names, rank_offset, dims_list):
         HyperCommGrid._order_dims(types.SimpleNamespace(dim_names=names), d)[1] for d in dims_list
     )
     assert keys == [expected] * world_size
+
+
+def test_param_is_not_tensor_parallel_duplicate_takes_any_group_like_object():
+    """megatron-core reads ``tp_group.rank()``: any object with rank() will do (no process)."""
+    from megatron_core.tensor_parallel import param_is_not_tensor_parallel_duplicate as ours
+
+    mc_layers = pytest.importorskip("megatron.core.tensor_parallel.layers")
+    split = torch.nn.Parameter(torch.zeros(2))
+    split.tensor_model_parallel = True
+    replicated = torch.nn.Parameter(torch.zeros(2))
+    for rank in (0, 1, 3):
+        group = types.SimpleNamespace(rank=lambda rank=rank: rank)
+        for param in (split, replicated):
+            expected = mc_layers.param_is_not_tensor_parallel_duplicate(param, group)
+            assert ours(param, group) == expected == (param is split or rank == 0)
