@@ -13,6 +13,9 @@ the package is built in layers, each file one idea:
 * getters_dense.py, getters_expert.py, getters_pipeline.py: megatron-core's getters and setters,
   which raise :class:`~megatron_core.errors.MegatronCoreError` (an ``AssertionError`` too) where
   megatron-core asserts.
+* module_globals.py: megatron-core's module globals (``_TENSOR_MODEL_PARALLEL_GROUP``, ...), read
+  and written through this face's module type (NOTE [ Module globals ]).
+* memory_buffer.py: ``GlobalMemoryBuffer`` (megatron's path ``utils.GlobalMemoryBuffer`` too).
 
 # NOTE [ Rank layout ]
 #
