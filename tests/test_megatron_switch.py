@@ -31,8 +31,6 @@ KNOWN_GAPS = {
         "set_current_microbatch",
     },
     "megatron.core.pipeline_parallel.p2p_communication": {"is_single_shape"},
-    "megatron.core.process_groups_config": {"ProcessGroupHelperMeta"},
-    "megatron.core.distributed.finalize_model_grads": {"reset_model_temporary_tensors"},
 }
 # Not API: availability flags of optional dependencies and module loggers.
 NOT_API = {"HAVE_EINOPS", "HAVE_TE", "HAVE_DTENSOR", "IS_CHECKPOINTING", "HAVE_APEX", "logger"}

@@ -58,6 +58,8 @@ SERVED: dict[str, str] = {
     "megatron.core.parallel_state": "megatron_core.parallel_state",
     "megatron.core.model_parallel_config": "megatron_core.model_parallel_config",
     "megatron.core.process_groups_config": "megatron_core.process_groups_config",
+    "megatron.core.enums": "megatron_core.enums",
+    "megatron.core.hyper_comm_grid": "megatron_core.hyper_comm_grid",
     _TP: "megatron_core.tensor_parallel",
     **{
         f"{_TP}.{name}": f"megatron_core.tensor_parallel.{name}"
