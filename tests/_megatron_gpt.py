@@ -32,6 +32,7 @@ class Run:
     dropout: float = 0.0
     recompute: str | None = None  # None, "full" (distribute_saved_activations) or "selective"
     moe: bool = False
+    expert_bias: bool = False  # MoE router expert bias, updated in finalize_model_grads
     microbatches: int = 1
     seed: int = 1234
 
@@ -87,6 +88,9 @@ def config_of(run: Run):
             moe_router_topk=2,
             moe_token_dispatcher_type="allgather",
             moe_aux_loss_coeff=0.0,
+            moe_router_enable_expert_bias=run.expert_bias,
+            moe_router_bias_update_rate=0.01,
+            moe_router_score_function="sigmoid" if run.expert_bias else "softmax",
             expert_model_parallel_size=run.ep,
         )
     return TransformerConfig(
@@ -123,14 +127,17 @@ def build_model(run: Run, pre_process: bool = True, post_process: bool = True):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router import TopKRouter
 
-    model = GPTModel(
-        config=config_of(run),
-        transformer_layer_spec=_layer_spec(run),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        pre_process=pre_process,
-        post_process=post_process,
-    )
+    # With expert bias, megatron-core's TopKRouter makes its buffers on
+    # torch.cuda.current_device() (moe/router.py:169): "cpu" answers for it on a CPU-only torch.
+    with cpu_only_cuda_calls() if run.expert_bias else contextlib.nullcontext():
+        model = GPTModel(
+            config=config_of(run),
+            transformer_layer_spec=_layer_spec(run),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            pre_process=pre_process,
+            post_process=post_process,
+        )
     for module in model.modules():
         if isinstance(module, TopKRouter):
             module.gating = types.MethodType(_router_logits_on_cpu, module)
@@ -200,7 +207,7 @@ def _layer_names(model: torch.nn.Module) -> dict[str, str]:
     names = {}
     layers = getattr(getattr(model, "decoder", None), "layers", [])
     ep_rank = parallel_state.get_expert_model_parallel_rank()
-    for name, _ in model.named_parameters():
+    for name, _ in [*model.named_parameters(), *model.named_buffers()]:
         parts = name.split(".")
         if parts[:2] == ["decoder", "layers"]:
             layer = layers[int(parts[2])]
@@ -244,7 +251,7 @@ def train(run: Run, full: dict[str, torch.Tensor] | None) -> dict:
     )
     model.config.finalize_model_grads_func = finalize_model_grads
     if full is not None:
-        load_full(model, {n: full[g] for n, g in _layer_names(model).items()})
+        load_full(model, {n: full[g] for n, g in _layer_names(model).items() if g in full})
     names = _layer_names(model)
     # SGD: a linear step keeps fp32 summation-order differences at their size (Adam's
     # normalization would blow up those of near-zero gradients).
@@ -267,6 +274,7 @@ def train(run: Run, full: dict[str, torch.Tensor] | None) -> dict:
         grads.append({names[n]: full_tensor(p, p.grad) for n, p in model.named_parameters()})
         optimizer.step()
     params = {names[n]: full_tensor(p, p) for n, p in model.named_parameters()}
+    params.update({names[n]: b.clone() for n, b in model.named_buffers() if "expert_bias" in n})
     return {"losses": losses, "grads": grads, "params": params}
 
 

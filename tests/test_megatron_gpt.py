@@ -89,10 +89,16 @@ def test_recompute_is_bitwise_equal_with_dropout(distributed, dense_start):
         _assert_runs_equal(plain[0], distributed(train, 2, run, dense_start, timeout=TIMEOUT), True)
 
 
-def test_moe_layer_expert_parallel_2_matches_1(distributed):
+@pytest.mark.parametrize("expert_bias", [False, True])
+def test_moe_layer_expert_parallel_2_matches_1(expert_bias):
     # The router's logits are computed with torch on CPU (_megatron_gpt._router_logits_on_cpu):
     # megatron-core 0.16.1's TopKRouter.gating needs CUDA (and Transformer Engine without it).
-    start = distributed(initial_state, 1, MOE, timeout=TIMEOUT)[0]
-    reference = distributed(train, 1, MOE, start, timeout=TIMEOUT)[0]
-    run = dataclasses.replace(MOE, ep=2)
-    _assert_runs_equal(reference, distributed(train, 2, run, start, timeout=TIMEOUT))
+    # With expert_bias, finalize_model_grads also moves every router's bias towards balance.
+    moe = dataclasses.replace(MOE, expert_bias=expert_bias)
+    start = run_distributed(initial_state, 1, moe, timeout=TIMEOUT)[0]
+    reference = run_distributed(train, 1, moe, start, timeout=TIMEOUT)[0]
+    if expert_bias:
+        bias = reference["params"]["decoder.layers.0.mlp.router.expert_bias"]
+        assert bias.abs().sum() > 0  # it moved
+    run = dataclasses.replace(moe, ep=2)
+    _assert_runs_equal(reference, run_distributed(train, 2, run, start, timeout=TIMEOUT))

@@ -27,6 +27,12 @@ own parameters. Before the optimizer step:
    reduction may still be in flight (``overlap_grad_reduce``) on the very buffers rules 1 and 5
    then reduce. Plain chunks keep megatron_core's older order (TP, DP, embeddings), so their
    runs reduce exactly as before. ``num_tokens`` scaling uses a wrapper's ``scale_gradients``.
+7. MoE router state (megatron-core's TransformerConfig; chunks read through ``.config``): with
+   ``moe_router_enable_expert_bias`` every router's ``expert_bias`` takes one step of
+   ``moe_router_bias_update_rate`` towards balance — the tokens each expert got this step,
+   summed over the tensor x context x data-parallel group, are compared with their mean and the
+   bias moves by the rate times the sign of (mean - count) — and then the per-step statistics are
+   cleared (``reset_model_temporary_tensors``).
 """
 
 from __future__ import annotations
@@ -105,6 +111,26 @@ def _allreduce_embedding_grads(model: list[torch.nn.Module], pg_collection) -> N
             f"{len(grads)}"
         )
     _flat_all_reduce(grads, group, None)
+
+
+def _update_router_expert_bias(model: list[torch.nn.Module], config) -> None:
+    """NOTE [ Gradient finalization ], rule 7: one balancing step of every router's bias."""
+    counts, biases = [], []
+    for chunk in model:
+        for module in chunk.modules():
+            if hasattr(module, "expert_bias") and module.expert_bias is not None:
+                counts.append(module.local_tokens_per_expert)
+                biases.append(module.expert_bias)
+    if not biases:  # a model whose MoE layers are on other stages, or none
+        return
+    with torch.no_grad():
+        total = torch.stack(counts).to(torch.float32)
+        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        consistency.checked_all_reduce("finalize_model_grads expert tokens", total, group)
+        offset = total.mean(dim=-1, keepdim=True) - total
+        step = torch.sign(offset) * config.moe_router_bias_update_rate
+        for bias, change in zip(biases, step):
+            bias.add_(change.to(bias.dtype))
 
 
 def _finish_grad_sync(chunk, force_all_reduce) -> None:
@@ -197,6 +223,11 @@ def finalize_model_grads(
         if not hasattr(chunk, "finish_grad_sync"):
             _allreduce_data_parallel_grads(chunk, dp_group, pg_collection, num_tokens is None)
     _allreduce_embedding_grads(model, pg_collection)  # rule 3
+    config = getattr(model[0], "config", None)
+    if config is not None:  # rule 7
+        if getattr(config, "moe_router_enable_expert_bias", False):
+            _update_router_expert_bias(model, config)
+        reset_model_temporary_tensors(config, model)
     if num_tokens is not None:  # rule 4
         pp_group = _group(pg_collection, "pp", parallel_state.get_pipeline_model_parallel_group)
         ranks = dist.get_process_group_ranks(pp_group)
