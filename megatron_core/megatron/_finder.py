@@ -81,26 +81,35 @@ class MegatronSwitchFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _megatron_roots() -> list[str]:
-    """The directories that hold the installed ``megatron`` package (never imported here)."""
-    roots = []
-    for entry in sys.path:
-        candidate = os.path.join(entry or os.getcwd(), "megatron")
-        if os.path.isdir(candidate):
-            roots.append(os.path.dirname(candidate))
-    return roots
-
-
 def _megatron_own_spec(fullname: str):
-    """megatron-core's own file for ``fullname`` (NOTE rule 2), or None."""
-    relative = os.path.join(*fullname.split("."))
-    for root in _megatron_roots():
-        package_init = os.path.join(root, relative, "__init__.py")
-        if os.path.isfile(package_init):
-            return importlib.util.spec_from_file_location(
-                fullname, package_init, submodule_search_locations=[os.path.dirname(package_init)]
-            )
-        module_file = os.path.join(root, relative + ".py")
-        if os.path.isfile(module_file):
-            return importlib.util.spec_from_file_location(fullname, module_file)
+    """megatron-core's own file for ``fullname`` (NOTE rule 2), or None.
+
+    It is looked up below the nearest enclosing package that is megatron-core's own and already
+    imported (``megatron.core`` for ``megatron.core.tensor_parallel.x``): the import system
+    imported it before asking for any name below it, so its ``__path__`` is where the installed
+    megatron-core lives.
+    """
+    parts = fullname.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:end])
+        package = sys.modules.get(name)
+        if package is None or getattr(package, "__name__", None) != name:
+            continue  # not imported, or one of this package's modules served under the name
+        for root in getattr(package, "__path__", None) or []:
+            found = _spec_below(fullname, root, parts[end:])
+            if found is not None:
+                return found
+        return None
+    return None
+
+
+def _spec_below(fullname: str, root: str, rest: list[str]):
+    """The spec of module ``rest`` (a dotted path split in parts) under directory ``root``."""
+    base = os.path.join(root, *rest)
+    if os.path.isfile(os.path.join(base, "__init__.py")):
+        return importlib.util.spec_from_file_location(
+            fullname, os.path.join(base, "__init__.py"), submodule_search_locations=[base]
+        )
+    if os.path.isfile(base + ".py"):
+        return importlib.util.spec_from_file_location(fullname, base + ".py")
     return None
