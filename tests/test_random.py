@@ -440,7 +440,7 @@ def test_save_load_per_rank_and_refusal_of_another_ranks_state():
 
 
 def test_checkpoint_is_re_exported_from_random():
-    from megatron_core.tensor_parallel import checkpointing
+    from megatron_core.tensor_parallel.recompute import entry_points as checkpointing
 
     assert tp_random.checkpoint is checkpointing.checkpoint  # megatron-core's import path
 

@@ -163,7 +163,7 @@ __all__ += [
 # --- end section: random.py ---
 
 # --- section: checkpointing.py (owner: checkpoint) ---
-from megatron_core.tensor_parallel.checkpointing import (  # noqa: E402
+from megatron_core.tensor_parallel.recompute import (  # noqa: E402
     CheckpointWithoutOutput,
     CheckpointWithoutOutputFunction,
     Distribute,
@@ -191,7 +191,7 @@ __all__ += [
 # --- end section: checkpointing.py ---
 
 # --- section: memory.py (owner: bench) ---
-from megatron_core.tensor_parallel.memory import (  # noqa: E402
+from megatron_core.tensor_parallel.recompute import (  # noqa: E402
     SavedActivationReport,
     count_saved_activations,
 )

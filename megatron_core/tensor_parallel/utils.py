@@ -118,7 +118,7 @@ class VocabUtility:
 
 # --- section: 1-D chunks (owner: checkpoint) ---
 # Used by checkpoint(distribute_saved_activations=True); see NOTE [ Checkpoint rules ], rule 3, in
-# tensor_parallel/checkpointing.py.
+# tensor_parallel/recompute/entry_points.py.
 from megatron_core import consistency, parallel_state  # noqa: E402
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_core import device
-from megatron_core._process_groups import (
+from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state.groups import (
     cached_group,
     get_nccl_options,
     overwrite_nccl_comm_cfgs,
     validate_nccl_comm_cfgs,
 )
-from megatron_core.errors import MegatronCoreError
 
 __all__ = ["GroupOptions", "validated_options", "create_groups"]
 

@@ -2,7 +2,7 @@
 
 Step one and two of set-up (validate -> layout -> create groups); no torch.distributed here, so
 every rank raises the same error for the same bad input before any collective runs. The grids
-follow NOTE [ Rank layout ] in megatron_core/rank_grid.py.
+follow NOTE [ Rank layout ] in megatron_core/parallel_state/rank_generator.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_core.errors import MegatronCoreError
-from megatron_core.rank_grid import (
+from megatron_core.parallel_state.rank_generator import (
     RankGenerator,
     default_embedding_ranks,
     default_position_embedding_ranks,

@@ -1,199 +1,31 @@
-"""Process groups for tensor / pipeline / data / context / expert parallelism.
-
-Drop-in for megatron-core 0.16's ``parallel_state``: every public function, same parameters and
-defaults, same rank layout (NOTE [ Rank layout ] in megatron_core/rank_grid.py). All state lives
-in one :class:`ParallelState` object that always exists: ``initialize_model_parallel`` fills it,
-the ``set_*`` functions override sizes and ranks in it, ``destroy_model_parallel`` empties it. The
-getters (megatron_core/_parallel_getters*.py, re-exported here) read it and raise
-:class:`~megatron_core.errors.MegatronCoreError` (an ``AssertionError`` too) where megatron-core
-asserts.
+"""Set-up and tear-down of parallel_state: initialize_model_parallel and destroy_model_parallel.
 
 Set-up runs in short steps: validate the arguments and compute the layout of both rank grids
-(locally, no collective) -> agree over WORLD that every rank got the same arguments and the same
-outcome, so a rank whose arguments are invalid or differ makes every rank raise instead of
-leaving its peers waiting (:func:`_check_arguments_agree`) -> create the groups.
+(layout.py; locally, no collective) -> agree over WORLD that every rank got the same arguments and
+the same outcome, so a rank whose arguments are invalid or differ makes every rank raise instead of
+leaving its peers waiting (:func:`_check_arguments_agree`) -> create the groups (create.py) ->
+install the new :class:`~megatron_core.parallel_state.state.ParallelState`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from megatron_core import consistency
-from megatron_core._parallel_layout import (
-    ParallelSizes,
-    compute_rank_layout,
-    embedding_rules,
-    layout_of,
-    validate_sizes,
-)
-from megatron_core._parallel_setup import create_groups, validated_options
-from megatron_core._process_groups import (
-    create_group,
-    create_hierarchical_groups,
-    create_hybrid_dp_cp_groups,
-    get_nccl_options,
-    overwrite_nccl_comm_cfgs,
-    reset_process_group_list,
-    update_pg_timeout,
-)
 from megatron_core.errors import MegatronCoreError
-from megatron_core.rank_grid import (
-    RankGenerator,
-    default_embedding_ranks,
-    default_position_embedding_ranks,
-    generate_masked_orthogonal_rank_groups,
-)
+from megatron_core.parallel_state.create import create_groups, validated_options
+from megatron_core.parallel_state.groups import reset_process_group_list
+from megatron_core.parallel_state.layout import embedding_rules, layout_of, validate_sizes
+from megatron_core.parallel_state.state import ParallelState, _replace_state, _state
 from megatron_core.utils import GlobalMemoryBuffer
 
-__all__ = [
-    "ParallelState",
-    "get_parallel_state",
-    "compute_rank_layout",
-    "RankGenerator",
-    "generate_masked_orthogonal_rank_groups",
-    "default_embedding_ranks",
-    "default_position_embedding_ranks",
-    "get_nccl_options",
-    "overwrite_nccl_comm_cfgs",
-    "update_pg_timeout",
-    "create_group",
-    "create_hierarchical_groups",
-    "create_hybrid_dp_cp_groups",
-    "initialize_model_parallel",
-    "is_initialized",
-    "is_unitialized",
-    "model_parallel_is_initialized",
-    "destroy_model_parallel",
-    "get_global_memory_buffer",
-    "get_global_symmetric_memory_buffer",
-    "destroy_global_memory_buffer",
-    "destroy_global_symmetric_memory_buffer",
-]
+__all__ = ["initialize_model_parallel", "destroy_model_parallel"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ParallelState:
-    """All process-group state of this rank: one object, read by the module-level getters.
-
-    Attributes:
-        global_rank / world_size: this process in the default (WORLD) group (None before init).
-        sizes: the validated degrees (tp, pp, cp, dp, ep, etp, expert_dp, order, ...).
-        ranks: kind -> the global ranks of THIS rank's group of that kind (kinds as in
-            :func:`compute_rank_layout`; "dp-cp-ag" is the separate all-gather group).
-        groups: kind -> the ProcessGroup of this rank's group of that kind.
-        gloo_groups: kind -> a gloo group over the same ranks ("dp", "dp-cp", "intra-dp-cp",
-            "expt-dp", "intra-expt-dp"), if created.
-        hierarchical_cp_groups: this rank's group at each hierarchical context-parallel level.
-        hybrid_dp_cp_groups: group size -> this rank's hybrid data x context group.
-        overrides: values given to the ``set_*`` functions ("tp_size", "tp_rank", "pp_size",
-            "pp_rank", "dp_size", "dp_rank", "ep_size", "ep_rank", "etp_size", "etp_rank");
-            they win over the groups, before and after initialization.
-        virtual_pipeline_model_parallel_size / _rank: interleaved-schedule state (None if unused).
-        pipeline_model_parallel_split_rank: encoder/decoder split stage (an extension), or None.
-        memory_buffer / symmetric_memory_buffer: the global buffers (see get_global_memory_buffer).
-    """
-
-    global_rank: int | None = None
-    world_size: int | None = None
-    sizes: ParallelSizes | None = None
-    ranks: dict[str, list[int]] = field(default_factory=dict)
-    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
-    gloo_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
-    hierarchical_cp_groups: list | None = None
-    hybrid_dp_cp_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
-    overrides: dict[str, int] = field(default_factory=dict)
-    virtual_pipeline_model_parallel_size: int | None = None
-    virtual_pipeline_model_parallel_rank: int | None = None
-    pipeline_model_parallel_split_rank: int | None = None
-    memory_buffer: GlobalMemoryBuffer | None = None
-    symmetric_memory_buffer: object | None = None
-
-    @property
-    def initialized(self) -> bool:
-        """True between initialize_model_parallel and destroy_model_parallel."""
-        return self.sizes is not None
-
-    def group(self, kind: str, check: bool = True) -> dist.ProcessGroup | None:
-        """This rank's process group of ``kind``; None if ``check`` is False and there is none."""
-        if kind not in self.groups:
-            if not check:
-                return None
-            self._missing(kind)
-        return self.groups[kind]
-
-    def rank_in(self, kind: str) -> int:
-        """This rank's index inside its group of ``kind`` (the group's own rank)."""
-        return self.group(kind).rank()
-
-    def size_of(self, kind: str) -> int:
-        """Number of ranks in this rank's group of ``kind``."""
-        return self.group(kind).size()
-
-    def member_ranks(self, kind: str) -> list[int]:
-        """Global ranks of this rank's group of ``kind``, in layout order."""
-        self.group(kind)
-        return self.ranks[kind]
-
-    def _missing(self, kind: str) -> None:
-        if not self.initialized:
-            raise MegatronCoreError(
-                f"{kind} group is not initialized: call "
-                f"megatron_core.parallel_state.initialize_model_parallel(...) first"
-            )
-        reasons = {
-            "embedding": "only the stages chosen by get_embedding_ranks hold the embedding",
-            "position_embedding": "only the stages chosen by get_position_embedding_ranks hold it",
-            "inter-dist-opt": "it exists only with num_distributed_optimizer_instances > 1",
-            "dp-cp-ag": "initialize_model_parallel was called without create_all_gather_group",
-        }
-        raise MegatronCoreError(
-            f"{kind} group is not initialized on global rank {self.global_rank}"
-            + (f": {reasons[kind]}" if kind in reasons else "")
-        )
-
-
-_STATE = ParallelState()
-
-
-def _state() -> ParallelState:
-    """The one state object (initialized or not); getters and setters read and write it."""
-    return _STATE
-
-
-def get_parallel_state() -> ParallelState:
-    """The current ParallelState; raises MegatronCoreError before initialize_model_parallel."""
-    if not _STATE.initialized:
-        raise MegatronCoreError(
-            "model parallel state is not initialized: call "
-            "megatron_core.parallel_state.initialize_model_parallel(...) first"
-        )
-    return _STATE
-
-
-def is_initialized() -> bool:
-    """True once initialize_model_parallel has built the groups (for code run with or without)."""
-    return _STATE.initialized
-
-
-def is_unitialized() -> bool:
-    """Deprecated spelling of ``not is_initialized()`` (kept as megatron-core keeps it)."""
-    warnings.warn(
-        "is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2
-    )
-    return not is_initialized()
-
-
-def model_parallel_is_initialized() -> bool:
-    """True between initialize_model_parallel and destroy_model_parallel."""
-    return _STATE.initialized
 
 
 def initialize_model_parallel(
@@ -281,7 +113,7 @@ def initialize_model_parallel(
     # whose arguments are invalid must not leave the others waiting (issue 15, point 2).
     error, sizes, layout, options = None, None, None, None
     try:
-        if _STATE.initialized:
+        if _state().initialized:
             raise MegatronCoreError(
                 "initialize_model_parallel called twice: call destroy_model_parallel() first"
             )
@@ -314,15 +146,15 @@ def initialize_model_parallel(
     state = ParallelState(
         global_rank=dist.get_rank(),
         world_size=world_size,
-        overrides=_STATE.overrides,
+        overrides=_state().overrides,
         # Without the argument, a size set earlier by the setters stays (as in megatron-core).
         virtual_pipeline_model_parallel_size=(
-            _STATE.virtual_pipeline_model_parallel_size
+            _state().virtual_pipeline_model_parallel_size
             if virtual_pipeline_model_parallel_size is None
             else virtual_pipeline_model_parallel_size
         ),
         virtual_pipeline_model_parallel_rank=(
-            _STATE.virtual_pipeline_model_parallel_rank
+            _state().virtual_pipeline_model_parallel_rank
             if virtual_pipeline_model_parallel_size is None
             else 0
         ),
@@ -332,11 +164,6 @@ def initialize_model_parallel(
     state.memory_buffer = GlobalMemoryBuffer()
     state.sizes = sizes
     _replace_state(state)
-
-
-def _replace_state(state: ParallelState) -> None:
-    global _STATE
-    _STATE = state
 
 
 def _validate_virtual_pipeline(vpp, pp) -> None:
@@ -388,45 +215,3 @@ def destroy_model_parallel() -> None:
     """
     reset_process_group_list()
     _replace_state(ParallelState())
-
-
-# --- global memory buffers ---------------------------------------------------------------------
-
-
-def get_global_memory_buffer() -> GlobalMemoryBuffer:
-    """The process-wide GlobalMemoryBuffer (created by initialize_model_parallel)."""
-    if _STATE.memory_buffer is None:
-        raise MegatronCoreError("global memory buffer is not initialized")
-    return _STATE.memory_buffer
-
-
-def get_global_symmetric_memory_buffer():
-    """megatron-core's symmetric-memory buffer for inference: never created by this package."""
-    if _STATE.symmetric_memory_buffer is None:
-        raise MegatronCoreError(
-            "global symmetric memory buffer is not initialized (megatron-core builds it for its "
-            "NVLS inference collectives, which this package does not have)"
-        )
-    return _STATE.symmetric_memory_buffer
-
-
-def destroy_global_memory_buffer() -> None:
-    """Drop the global memory buffer (get_global_memory_buffer raises until re-initialized)."""
-    _STATE.memory_buffer = None
-
-
-def destroy_global_symmetric_memory_buffer() -> None:
-    """Drop the global symmetric memory buffer."""
-    _STATE.symmetric_memory_buffer = None
-
-
-# Getters with megatron-core's names live in sibling modules to keep this one short; they are
-# re-exported here so `parallel_state.get_tensor_model_parallel_rank()` works as in megatron-core.
-from megatron_core._parallel_getters import *  # noqa: E402, F403
-from megatron_core._parallel_getters import __all__ as _getter_names  # noqa: E402
-from megatron_core._parallel_getters_expert import *  # noqa: E402, F403
-from megatron_core._parallel_getters_expert import __all__ as _expert_names  # noqa: E402
-from megatron_core._parallel_getters_pipeline import *  # noqa: E402, F403
-from megatron_core._parallel_getters_pipeline import __all__ as _pipeline_names  # noqa: E402
-
-__all__ += _getter_names + _pipeline_names + _expert_names

@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_core import _consistency_text as _text
+from megatron_core.consistency import text as _text
 from megatron_core.errors import MegatronCoreError
 
 describe_group = _text.describe_group  # public: "the tensor-model-parallel group (...)"
