@@ -13,8 +13,9 @@ from functools import partial
 import torch.distributed as dist
 
 from megatron_core import parallel_state as ps
+from megatron_core._multi_module_pgs import MultiModuleProcessGroupCollection
 
-__all__ = ["ProcessGroupCollection"]
+__all__ = ["ProcessGroupCollection", "MultiModuleProcessGroupCollection"]
 
 
 @dataclass(init=False, repr=False)
@@ -36,6 +37,12 @@ class ProcessGroupCollection:
         intra_dp_cp / intra_expt_dp: this distributed-optimizer instance's part of dp_cp / expt_dp.
         inter_dist_opt: across distributed-optimizer instances. intra_dist_opt: all ranks of this
             instance.
+        megatron-core 0.19's: dp_cp_ag / expt_dp_ag: all-gather groups over dp_cp's / expt_dp's
+            ranks on their own communicators (from parallel_state.create_all_gather_groups; None
+            from use_mpu_process_groups, as there). gtp_remat / expt_gtp_remat: the weight-remat
+            groups (one rank each: generalized TP is not implemented); dp_cp_gtp_remat,
+            expt_dp_gtp_remat, tp_ep_pp_with_egtp_remat: dp_cp, expt_dp, tp_ep_pp with the remat
+            ranks merged in (the same groups at remat size 1).
 
     Example::
 
@@ -64,6 +71,14 @@ class ProcessGroupCollection:
     intra_expt_dp: dist.ProcessGroup = field(init=False)
     inter_dist_opt: dist.ProcessGroup = field(init=False)
     intra_dist_opt: dist.ProcessGroup = field(init=False)
+    # megatron-core 0.19
+    tp_ep_pp_with_egtp_remat: dist.ProcessGroup = field(init=False)
+    dp_cp_gtp_remat: dist.ProcessGroup = field(init=False)
+    dp_cp_ag: dist.ProcessGroup = field(init=False)
+    gtp_remat: dist.ProcessGroup = field(init=False)
+    expt_gtp_remat: dist.ProcessGroup = field(init=False)
+    expt_dp_gtp_remat: dist.ProcessGroup = field(init=False)
+    expt_dp_ag: dist.ProcessGroup = field(init=False)
 
     def __init__(self, **kwargs):
         """Set the given groups; an unknown name raises ValueError (as megatron-core does)."""
@@ -121,13 +136,36 @@ class ProcessGroupCollection:
             "expt_dp": ps.get_expert_data_parallel_group,
             "tp_dp_cp": partial(ps.get_tensor_and_data_parallel_group, with_context_parallel=True),
         }
+        unchecked.update(
+            tp_ep_pp_with_egtp_remat=partial(
+                ps.get_expert_tensor_model_pipeline_parallel_group, with_egtp_remat=True
+            ),
+            expt_dp_gtp_remat=ps.get_expert_data_parallel_group,
+            gtp_remat=ps.get_gtp_weight_remat_group,
+            expt_gtp_remat=ps.get_expert_gtp_weight_remat_group,
+        )
         getters = {name: partial(get, check_initialized=False) for name, get in unchecked.items()}
+        getters["dp_cp_gtp_remat"] = partial(ps.get_data_parallel_group, with_context_parallel=True)
+        getters["dp_cp_ag"] = getters["expt_dp_ag"] = lambda: None  # create_all_gather_groups
         getters["dp"] = ps.get_data_parallel_group
         getters["dp_cp"] = partial(ps.get_data_parallel_group, with_context_parallel=True)
         getters["intra_dp_cp"] = partial(
             ps.get_data_parallel_group, with_context_parallel=True, partial_data_parallel=True
         )
         return cls(**{name: getters[name]() for name in required_pgs})
+
+    @staticmethod
+    def is_gtp_remat_active(process_group_dict: dict) -> bool:
+        """True if the ``gtp_remat_group`` or ``expt_gtp_remat_group`` of a dict from the
+        ``setup_process_groups_for_*`` builders spans more than one rank (never here, where
+        generalized TP is not implemented; megatron-core 0.19)."""
+        return any(
+            group is not None and group.size() > 1
+            for group in (
+                process_group_dict.get("gtp_remat_group"),
+                process_group_dict.get("expt_gtp_remat_group"),
+            )
+        )
 
     @staticmethod
     def setup_process_groups_for_optimizer(

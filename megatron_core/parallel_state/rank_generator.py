@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from megatron_core._gtp import check_gtp_size
 from megatron_core.errors import MegatronCoreError
 
 __all__ = [
@@ -140,6 +141,8 @@ class RankGenerator:
             has cp, the expert grid ep; rule 4).
         order: axis order, fastest-varying first (e.g. "tp-cp-ep-dp-pp" or "tp-pp-dp").
         rank_offset: added to every rank returned by :meth:`get_ranks`.
+        gtp_remat: megatron-core 0.19's generalized-TP remat axis; only 1 (none) is supported
+            (a larger size raises ConfigError, see megatron_core/_gtp.py).
 
     Attributes:
         world_size: tp * ep * dp * pp * cp.
@@ -153,8 +156,18 @@ class RankGenerator:
     """
 
     def __init__(
-        self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0
+        self,
+        tp: int,
+        ep: int,
+        dp: int,
+        pp: int,
+        cp: int,
+        order: str,
+        rank_offset: int = 0,
+        gtp_remat: int = 1,
     ) -> None:
+        check_gtp_size("RankGenerator: gtp_remat", gtp_remat)
+        self.gtp_remat = gtp_remat
         self.name_to_size = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
         for name, value in self.name_to_size.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -189,6 +202,20 @@ class RankGenerator:
         mask = self.get_mask(self.order, token)
         groups = generate_masked_orthogonal_rank_groups(self.world_size, self.ordered_size, mask)
         return [[r + self.rank_offset for r in group] for group in groups]
+
+    def get_gtp_ranks(self, gtp_remat_size: int) -> list[list[int]]:
+        """The generalized-TP weight-remat groups (megatron-core 0.19): one per rank, holding
+        just that rank, since the remat axis has size 1 (the only size supported here).
+
+        Raises:
+            MegatronCoreError: ``gtp_remat_size`` is not this grid's ``gtp_remat``.
+        """
+        if gtp_remat_size != self.gtp_remat:
+            raise MegatronCoreError(
+                f"gtp_remat_size ({gtp_remat_size}) differs from this grid's gtp_remat "
+                f"({self.gtp_remat})"
+            )
+        return [[r + self.rank_offset] for r in range(self.world_size)]
 
 
 def default_embedding_ranks(pp_ranks: list[int]) -> list[int]:
