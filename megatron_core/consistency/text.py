@@ -15,8 +15,8 @@ import torch.distributed as dist
 _SKIPPED_MODULES = (
     "megatron_core.consistency.checks",
     "megatron_core.consistency.text",
-    "megatron_core.testing",
-    "megatron_core._testing_worker",
+    "megatron_core.testing.harness",
+    "megatron_core.testing.worker",
 )
 
 

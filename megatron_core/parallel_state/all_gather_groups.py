@@ -14,8 +14,9 @@ import datetime
 
 import torch.distributed as dist
 
-from megatron_core import consistency, device
+from megatron_core import device
 from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state.agreement import agree_on_arguments
 from megatron_core.parallel_state.groups import (
     create_group,
     get_nccl_options,
@@ -63,8 +64,14 @@ def create_all_gather_groups(for_expert_parallelism=False, timeout=None, nccl_co
         cfgs = validate_nccl_comm_cfgs(nccl_comm_cfgs, "nccl_comm_cfgs")
     except MegatronCoreError as exc:
         error = exc
-    args = dict(for_expert_parallelism=bool(for_expert_parallelism), timeout=timeout)
-    consistency.agree("create_all_gather_groups", dist.group.WORLD, error=error, **args)
+    outcome = "ok" if error is None else f"invalid: {error}"
+    agree_on_arguments(
+        "create_all_gather_groups",
+        {"for_expert_parallelism": repr(bool(for_expert_parallelism)), "timeout": repr(timeout),
+         "outcome": outcome},
+    )  # fmt: skip
+    if error is not None:
+        raise error
     layout = layout_of(state.sizes)
     dp_cp_ag = _create(layout["dp-cp"], "dp_cp", cfgs, timeout, "DATA_PARALLEL_GROUP_WITH_CP_AG")
     expt_dp_ag = None

@@ -3,7 +3,7 @@
 Every rank creates every group of every kind, in the same order, and keeps the ones it belongs
 to. The order follows megatron-core 0.16 where it matters: the data x context groups come first,
 because NCCL SHARP applies only to the first communicator created with NCCL_COLLNET_ENABLE=1.
-NCCL settings are applied only to NCCL groups (NOTE [ NCCL-only options ] in _process_groups.py).
+NCCL settings are applied only to NCCL groups (NOTE [ NCCL-only options ] in groups.py).
 """
 
 from __future__ import annotations

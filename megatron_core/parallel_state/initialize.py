@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from megatron_core import consistency
 from megatron_core._gtp import check_gtp_size
 from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state.agreement import agree_on_arguments
 from megatron_core.parallel_state.create import create_groups, validated_options
 from megatron_core.parallel_state.groups import reset_process_group_list
 from megatron_core.parallel_state.layout import embedding_rules, layout_of, validate_sizes
@@ -214,7 +214,7 @@ def _check_arguments_agree(arguments: dict, layout: dict | None, error: Exceptio
     new_group; here every rank raises instead. ``arguments`` holds the call's arguments by name,
     ``layout`` what they resolved to (None if this rank's validation raised ``error``).
 
-    One agreement over WORLD (megatron_core.consistency.agree: a 16-int64 all-gather), always
+    One agreement over WORLD (agreement.agree_on_arguments: a 16-int64 all-gather), always
     on: a group-cache hit in create_groups must never hide a disagreement. Callables (the
     embedding-rank rules) are compared by name, the resolved layout by a digest, and a rank
     whose validation failed contributes its error message instead. So: arguments that differ
@@ -227,10 +227,10 @@ def _check_arguments_agree(arguments: dict, layout: dict | None, error: Exceptio
     else:
         outcome = hashlib.blake2b(repr(sorted(layout.items())).encode(), digest_size=6).hexdigest()
     comparable = {
-        name: f"{value.__module__}.{value.__qualname__}" if callable(value) else value
+        name: f"{value.__module__}.{value.__qualname__}" if callable(value) else repr(value)
         for name, value in arguments.items()
     }
-    consistency.agree("initialize_model_parallel", dist.group.WORLD, layout=outcome, **comparable)
+    agree_on_arguments("initialize_model_parallel", {**comparable, "layout": repr(outcome)})
     if error is not None:
         raise error
 

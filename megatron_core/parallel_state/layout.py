@@ -2,7 +2,7 @@
 
 Step one and two of set-up (validate -> layout -> create groups); no torch.distributed here, so
 every rank raises the same error for the same bad input before any collective runs. The grids
-follow NOTE [ Rank layout ] in megatron_core/parallel_state/rank_generator.py.
+follow NOTE [ Rank layout ] in megatron_core/parallel_state/__init__.py.
 """
 
 from __future__ import annotations

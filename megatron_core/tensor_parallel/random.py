@@ -4,7 +4,8 @@ Megatron-compatible names (``CudaRNGStatesTracker``, ``get_cuda_rng_tracker``,
 ``model_parallel_cuda_manual_seed``); the "cuda" in them is Megatron's spelling. The tracker drives
 the current device's generator through :mod:`megatron_core.device`: the CUDA generator of the
 current GPU on cuda, the CPU generator on cpu. Audit and save/load live in ``rng_state.py``;
-``checkpoint`` and friends are re-exported here from ``entry_points.py`` (as in megatron-core).
+``checkpoint`` and friends are attached here by the ``tensor_parallel`` face (megatron-core's
+path ``tensor_parallel.random.checkpoint``), from ``recompute/entry_points.py``.
 
 # NOTE [ RNG streams ]
 1. Streams. The tracker holds named generator states for the *device* generator. After
@@ -468,15 +469,3 @@ def set_rng_snapshot(snapshot: RNGSnapshot) -> None:
     tracker.set_states(snapshot.tracker_states)
     if hasattr(tracker, "_active"):  # See NOTE [ RNG streams ], rule 5
         tracker._active = snapshot.active_stream
-
-
-def __getattr__(name: str) -> Any:
-    """Re-export checkpoint & co. from entry_points.py lazily (it imports this module)."""
-    if not name.startswith("_"):
-        try:
-            from megatron_core.tensor_parallel.recompute import entry_points as checkpointing
-        except ImportError:
-            checkpointing = None
-        if name in getattr(checkpointing, "__all__", ()):
-            return getattr(checkpointing, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

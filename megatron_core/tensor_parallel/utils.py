@@ -1,15 +1,11 @@
-"""Pure tensor math for tensor parallelism (no autograd classes, no modules).
+"""Pure tensor math for tensor parallelism (no autograd classes, no modules)."""
 
-Two owners write this file; each edits only its own section.
-"""
-
-# --- section: divide / split / VocabUtility (owner: mappings) ---
+# Divisibility, splitting along the last dimension, vocabulary ranges.
 import torch
 
 from megatron_core.errors import MegatronCoreError
 
-# No module-level __all__ here: two sections share this file; the package __init__ lists the
-# public names. `torch` and `MegatronCoreError` above are available to the section below as well.
+# No module-level __all__ here: the package __init__ lists the public names.
 
 
 def ensure_divisibility(numerator: int, denominator: int) -> None:
@@ -114,9 +110,7 @@ class VocabUtility:
         )
 
 
-# --- end section: divide / split / VocabUtility ---
-
-# --- section: 1-D chunks (owner: checkpoint) ---
+# 1-D equal chunks (the distributed saved activations of a checkpoint).
 # Used by checkpoint(distribute_saved_activations=True); see NOTE [ Checkpoint rules ], rule 3, in
 # tensor_parallel/recompute/entry_points.py.
 from megatron_core import consistency, parallel_state  # noqa: E402
@@ -234,6 +228,3 @@ def gather_split_1d_tensor(
             gathered, tensor.detach().reshape(-1).contiguous(), group=_default_group(group)
         )
     return gathered if numel is None else gathered[:numel]
-
-
-# --- end section: 1-D chunks ---

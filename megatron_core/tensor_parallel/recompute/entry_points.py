@@ -81,25 +81,11 @@ from megatron_core.tensor_parallel.recompute.saved_inputs import (
     is_checkpointing,
     output_fingerprints,
 )
-from megatron_core.tensor_parallel.recompute.stacks import (
-    RecomputeMethod,
-    checkpoint_layer_stack,
-    checkpoint_sequential,
-)
-from megatron_core.tensor_parallel.recompute.without_output import (
-    CheckpointWithoutOutput,
-    CheckpointWithoutOutputFunction,
-)
 
 __all__ = [
     "checkpoint",
     "CheckpointFunction",
-    "CheckpointWithoutOutput",
-    "CheckpointWithoutOutputFunction",
     "Distribute",
-    "RecomputeMethod",
-    "checkpoint_layer_stack",
-    "checkpoint_sequential",
     "capture_saved_inputs",
     "is_checkpointing",
     "set_checkpoint_early_stop",
