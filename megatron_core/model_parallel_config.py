@@ -49,10 +49,15 @@ from typing import Literal
 
 import torch
 
-from megatron_core._gtp import check_gtp_size
 from megatron_core.errors import ConfigError
 
-__all__ = ["ModelParallelConfig", "ConfigError", "resolve_tensor_parallel_weight_shards"]
+__all__ = [
+    "ModelParallelConfig",
+    "ConfigError",
+    "resolve_tensor_parallel_weight_shards",
+    # extension: the one refusal of generalized TP (0.19), used wherever its options appear
+    "check_gtp_size",
+]
 
 _SIZE_FIELDS = (
     "tensor_model_parallel_size",
@@ -65,6 +70,25 @@ _CHOICES = {
     "cross_entropy_fusion_impl": ("native", "te"),
     "tp_comm_bootstrap_backend": ("nccl", "mpi", "gloo"),
 }
+
+
+def check_gtp_size(option: str, value) -> None:
+    """The one refusal of generalized tensor parallelism (megatron-core 0.19's weight
+    rematerialization, where each weight is sharded again over a "gtp remat" group and
+    re-gathered around every use): every option naming a remat size accepts 1 (off, 0.19's
+    default); anything else raises here, before any collective. ``option`` names the argument.
+
+    Raises:
+        ConfigError: ``value`` is not 1, e.g. ``gtp_remat_size (2) > 1: generalized tensor
+            parallelism ... is not implemented``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{option} ({value!r}) must be a positive int (1: no weight remat)")
+    if value != 1:
+        raise ConfigError(
+            f"{option} ({value}) > 1: generalized tensor parallelism (megatron-core 0.19's "
+            "weight rematerialization) is not implemented in megatron_core; use 1"
+        )
 
 
 def resolve_tensor_parallel_weight_shards(

@@ -307,7 +307,7 @@ def get_model_parallel_world_size() -> int:
 
 def get_gtp_weight_remat_group(check_initialized=True):
     """This rank's generalized-TP weight-remat group (megatron-core 0.19): just this rank, as
-    remat sizes above 1 are not implemented (megatron_core/_gtp.py)."""
+    remat sizes above 1 are not implemented (model_parallel_config.check_gtp_size)."""
     return _state().group("gtp-remat", check_initialized)
 
 

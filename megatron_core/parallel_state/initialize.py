@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from megatron_core._gtp import check_gtp_size
 from megatron_core.errors import MegatronCoreError
+from megatron_core.model_parallel_config import check_gtp_size
 from megatron_core.parallel_state.agreement import agree_on_arguments
 from megatron_core.parallel_state.create import create_groups, validated_options
 from megatron_core.parallel_state.groups import reset_process_group_list

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from megatron_core._gtp import check_gtp_size
 from megatron_core.errors import MegatronCoreError
+from megatron_core.model_parallel_config import check_gtp_size
 
 __all__ = [
     "AXES",
@@ -97,7 +97,7 @@ class RankGenerator:
         order: axis order, fastest-varying first (e.g. "tp-cp-ep-dp-pp" or "tp-pp-dp").
         rank_offset: added to every rank returned by :meth:`get_ranks`.
         gtp_remat: megatron-core 0.19's generalized-TP remat axis; only 1 (none) is supported
-            (a larger size raises ConfigError, see megatron_core/_gtp.py).
+            (a larger size raises ConfigError, see model_parallel_config.check_gtp_size).
 
     Attributes:
         world_size: tp * ep * dp * pp * cp.

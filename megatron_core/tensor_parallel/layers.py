@@ -107,7 +107,7 @@ class _ParallelLinearBase(torch.nn.Module):
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         if not isinstance(stride, int) or stride < 1:
             raise MegatronCoreError(f"{layer}: stride ({stride!r}) must be an integer >= 1")
-        self.gtp_remat_size = 1  # megatron-core 0.19's weight remat: not implemented (_gtp.py)
+        self.gtp_remat_size = 1  # 0.19's weight remat: not implemented (check_gtp_size)
         self._wgrad_store = None  # NOTE [ Delayed weight gradient ] (delayed_wgrad.py)
         if config.delay_wgrad_compute:
             if config.defer_embedding_wgrad_compute:

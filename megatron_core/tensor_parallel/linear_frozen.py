@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state
-from megatron_core._gtp import check_gtp_size
 from megatron_core.errors import MegatronCoreError
+from megatron_core.model_parallel_config import check_gtp_size
 from megatron_core.tensor_parallel import _collectives
 from megatron_core.tensor_parallel.amp import custom_bwd, custom_fwd
 from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
