@@ -182,7 +182,8 @@ class ProcessGroupCollection:
             dict with dp_group, dp_cp_group, intra_dp_cp_group, expt_dp_group,
             intra_expt_dp_group, mp_group, expt_tp_pp_group, inter_dist_opt_group,
             intra_dist_opt_group, intra_dp_cp_group_gloo, intra_expt_dp_group_gloo (None where
-            not used).
+            not used); megatron-core 0.19's gtp_remat_group, expt_gtp_remat_group and
+            expt_tp_pp_with_egtp_remat_group (expt_tp_pp_group at remat size 1).
 
         Raises:
             ValueError: a group the configuration needs is missing from ``pg_collection``, or
@@ -210,6 +211,7 @@ class ProcessGroupCollection:
             )
             for key in ("tp_group", "pp_group", "ep_group"):
                 groups.pop(key)
+            groups["expt_tp_pp_with_egtp_remat_group"] = groups["expt_tp_pp_group"]
             return groups
         cp_size = getattr(getattr(model_chunks[0], "config", None), "context_parallel_size", 1)
         groups = {"dp_group": _required(pg_collection, "dp")}
@@ -228,6 +230,10 @@ class ProcessGroupCollection:
                 "Please set use_gloo_process_groups to False."
             )
         groups.update(intra_dp_cp_group_gloo=None, intra_expt_dp_group_gloo=None)
+        groups["expt_tp_pp_with_egtp_remat_group"] = getattr(
+            pg_collection, "tp_ep_pp_with_egtp_remat", groups["expt_tp_pp_group"]
+        )
+        groups.update(_gtp_groups(pg_collection))
         return groups
 
     @staticmethod
@@ -239,8 +245,9 @@ class ProcessGroupCollection:
         Returns:
             dict with dp_group, dp_cp_group, intra_dp_cp_group, expt_dp_group,
             intra_expt_dp_group, tp_group, pp_group, ep_group, inter_dist_opt_group and (from
-            parallel_state) intra_dist_opt_group. Without an expt_dp group in ``pg_collection``,
-            expt_dp_group is a new one-rank group of this rank.
+            parallel_state) intra_dist_opt_group, and 0.19's gtp_remat_group /
+            expt_gtp_remat_group. Without an expt_dp group in ``pg_collection``, expt_dp_group is
+            a new one-rank group of this rank.
         """
         if pg_collection is None:
             return _ddp_groups_from_parallel_state(ddp_config)
@@ -255,6 +262,7 @@ class ProcessGroupCollection:
         groups.update(_partial_groups(pg_collection, groups, ddp_config, instances))
         for name in ("tp", "pp", "ep"):
             groups[f"{name}_group"] = _required(pg_collection, name, "tp, pp and ep are required")
+        groups.update(_gtp_groups(pg_collection))
         return groups
 
 
@@ -293,6 +301,19 @@ def _partial_groups(pgs: ProcessGroupCollection, groups: dict, ddp_config, insta
     }
 
 
+def _gtp_groups(pgs: ProcessGroupCollection | None) -> dict:
+    """megatron-core 0.19's weight-remat groups of a builder's dict (None where not given)."""
+    if pgs is None:
+        return {
+            "gtp_remat_group": ps.get_gtp_weight_remat_group(check_initialized=False),
+            "expt_gtp_remat_group": ps.get_expert_gtp_weight_remat_group(check_initialized=False),
+        }
+    return {
+        "gtp_remat_group": getattr(pgs, "gtp_remat", None),
+        "expt_gtp_remat_group": getattr(pgs, "expt_gtp_remat", None),
+    }
+
+
 def _ddp_groups_from_parallel_state(ddp_config) -> dict:
     instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
     use_dist_opt = getattr(ddp_config, "use_distributed_optimizer", False)
@@ -311,6 +332,7 @@ def _ddp_groups_from_parallel_state(ddp_config) -> dict:
         "intra_dist_opt_group": (
             ps.get_intra_distributed_optimizer_instance_group() if use_dist_opt else None
         ),
+        **_gtp_groups(None),
     }
 
 

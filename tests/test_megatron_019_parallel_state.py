@@ -7,6 +7,8 @@ parallel_state's own group; the generalized-TP getters give one-rank groups (rem
 grid over a sub-range of ranks; a remat size above 1 raises one ConfigError naming the option.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -179,3 +181,19 @@ def test_multi_module_process_group_collection():
         MultiModuleProcessGroupCollection({"vision": vision}, "text")
     with pytest.raises(ValueError, match="empty"):
         MultiModuleProcessGroupCollection({})
+
+
+def test_setup_helpers_return_the_019_keys():
+    """megatron-core 0.19's DDP and optimizer read the weight-remat groups from these dicts."""
+    tp, dp, ep, pp, mp, expt, tep, gtp = (object() for _ in range(8))
+    pgs = ProcessGroupCollection(
+        tp=tp, pp=pp, ep=ep, dp=dp, expt_dp=expt, mp=mp, tp_ep_pp=tep, gtp_remat=gtp
+    )
+    ddp_config = SimpleNamespace(num_distributed_optimizer_instances=1)
+    groups = ProcessGroupCollection.setup_process_groups_for_ddp(pgs, None, ddp_config)
+    assert groups["gtp_remat_group"] is gtp and groups["expt_gtp_remat_group"] is None
+    chunk = SimpleNamespace(ddp_config=ddp_config, config=SimpleNamespace(context_parallel_size=1))
+    opt = ProcessGroupCollection.setup_process_groups_for_optimizer(pgs, [chunk], False)
+    assert opt["expt_tp_pp_with_egtp_remat_group"] is tep and opt["gtp_remat_group"] is gtp
+    assert ProcessGroupCollection.is_gtp_remat_active({"gtp_remat_group": _Group(2)})
+    assert not ProcessGroupCollection.is_gtp_remat_active({"expt_gtp_remat_group": _Group(1)})
