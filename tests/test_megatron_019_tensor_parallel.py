@@ -104,7 +104,25 @@ def _delayed_body(sp, fusion):
     after = col2.weight.main_grad if fusion else col2.weight.grad
     torch.testing.assert_close(after, before, rtol=0, atol=0)
     torch.testing.assert_close(after, grads[0], **TOL)
-    return deferred
+    return deferred + [_recompute_case(tp, sp, reentrant) for reentrant in (True, False)]
+
+
+def _recompute_case(tp, sp, reentrant) -> bool:
+    """Inside activation recompute (rule 5): the same gradient, nothing left queued."""
+    config = _config(tp, sequence_parallel=sp, delay_wgrad_compute=True)
+    col = tp_api.ColumnParallelLinear(H, FF, config=config, init_method=_init, bias=False)
+    x_full, _ = _inputs()
+    x = (_mine(x_full, 0) if sp else x_full).clone().requires_grad_()
+    if reentrant:
+        out = tp_api.checkpoint(lambda t: col(t)[0], False, x)
+    else:
+        out = torch.utils.checkpoint.checkpoint(lambda t: col(t)[0], x, use_reentrant=False)
+    out.pow(2).sum().backward()
+    col.backward_dw()
+    ref_w = _full(col.weight, 0).requires_grad_()
+    F.linear(x_full, ref_w).chunk(tp, dim=-1)[dist.get_rank()].pow(2).sum().backward()
+    torch.testing.assert_close(col.weight.grad, _mine(ref_w.grad, 0), **TOL)
+    return not col._wgrad_store.pending
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -112,7 +130,8 @@ def _delayed_body(sp, fusion):
 def test_backward_dw_computes_the_delayed_weight_gradient(world_size, sp, fusion):
     """delay_wgrad_compute: backward leaves the weight gradients to backward_dw, which then
     gives torch's full-weight gradient shard (into main_grad with fusion)."""
-    assert run_distributed(_delayed_body, world_size, sp, fusion) == [[True, True]] * world_size
+    expect = [[True] * 4] * world_size
+    assert run_distributed(_delayed_body, world_size, sp, fusion) == expect
 
 
 # --- inference layers --------------------------------------------------------------------------

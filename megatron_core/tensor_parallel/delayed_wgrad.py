@@ -19,6 +19,11 @@ non-TE layers ignore the option). See NOTE [ Delayed weight gradient ].
 #    produced (computed in fp32, cast to the gradient's dtype).
 # 4. A forward whose output gradient never arrived (no backward yet) stays queued; backward_dw
 #    leaves it for the next call. ``discard()`` drops everything (e.g. after an aborted step).
+# 5. Activation recompute: a reentrant checkpoint runs forward without grad (nothing queued) and
+#    recomputes inside backward, where the recomputed output's gradient arrives; a non-reentrant
+#    one queues the first forward (whose gradient arrives) and recomputes inside backward a
+#    graph that never sees a gradient. So an entry recorded during a backward pass that still
+#    has no gradient when backward_dw runs is a discarded recompute, and is dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ import torch
 from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 __all__ = ["WgradStore"]
+
+
+def _in_backward() -> bool:
+    """True inside an autograd backward pass (e.g. an activation recompute)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)  # no public equivalent
+    return task_id is not None and task_id() != -1
 
 
 class _RecordOutputGrad(torch.autograd.Function):
@@ -64,6 +75,7 @@ class WgradStore:
         if not torch.is_grad_enabled() or not output.requires_grad:
             return output
         entry = {"input": input_.detach(), "weight": weight, "grad_output": None}
+        entry["in_backward"] = _in_backward()
         self.pending.append(entry)
         return _RecordOutputGrad.apply(output, entry)
 
@@ -72,7 +84,9 @@ class WgradStore:
         """Add every ready entry's dY^T X into its weight's ``main_grad`` (``fused``) or
         ``grad`` (rule 3); entries without an output gradient stay queued (rule 4)."""
         ready = [e for e in self.pending if e["grad_output"] is not None]
-        self.pending = [e for e in self.pending if e["grad_output"] is None]
+        self.pending = [
+            e for e in self.pending if e["grad_output"] is None and not e["in_backward"]
+        ]  # rule 5
         for entry in ready:
             total_input = entry["input"]
             if self.sequence_parallel:
