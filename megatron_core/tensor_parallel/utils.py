@@ -110,6 +110,7 @@ class VocabUtility:
         )
 
 
+
 # 1-D equal chunks (the distributed saved activations of a checkpoint).
 # Used by checkpoint(distribute_saved_activations=True); see NOTE [ Checkpoint rules ], rule 3, in
 # tensor_parallel/recompute/entry_points.py.
@@ -228,3 +229,5 @@ def gather_split_1d_tensor(
             gathered, tensor.detach().reshape(-1).contiguous(), group=_default_group(group)
         )
     return gathered if numel is None else gathered[:numel]
+
+

@@ -97,7 +97,6 @@ __all__ = [
     "RESET_SEED",
 ]
 
-
 def _check_arguments(fn: Callable, world_size: Any, timeout: Any, args, kwargs) -> bytes:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise MegatronCoreError(f"world_size ({world_size!r}) must be an integer >= 1")
