@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_core import ModelParallelConfig
 from megatron_core import parallel_state as ps
-from megatron_core.errors import ConfigError
+from megatron_core.errors import ConfigError, MegatronCoreError
 from megatron_core.process_groups_config import (
     MultiModuleProcessGroupCollection,
     ProcessGroupCollection,
@@ -135,13 +135,18 @@ def test_gtp_getters_and_remat_refusal(world_size):
 
 
 def _rank_offset_body():
+    with pytest.raises(MegatronCoreError, match="initialize_model_parallel"):
+        ps.create_all_gather_groups()  # before initialization: raises on every rank
+    with pytest.raises(MegatronCoreError, match=r"rank_offset \(3\) \+ local_world_size \(2\)"):
+        ps.initialize_model_parallel(2, rank_offset=3, local_world_size=2)
     ps.initialize_model_parallel(2, rank_offset=2, local_world_size=2)
     group = ps.get_tensor_model_parallel_group(check_initialized=False)
     return None if group is None else dist.get_process_group_ranks(group)
 
 
 def test_rank_offset_and_local_world_size():
-    """4 ranks, grid over ranks 2-3 with tp=2: they form one tensor group, 0-1 belong to none."""
+    """4 ranks, grid over ranks 2-3 with tp=2: they form one tensor group, 0-1 belong to none.
+    Bad ranges and use before initialization raise on every rank, naming the values."""
     assert run_distributed(_rank_offset_body, 4) == [None, None, [2, 3], [2, 3]]
 
 
