@@ -14,6 +14,9 @@ the package is built in layers, each file one idea:
 * getters_dense.py, getters_expert.py, getters_pipeline.py: megatron-core's getters and setters,
   which raise :class:`~megatron_core.errors.MegatronCoreError` (an ``AssertionError`` too) where
   megatron-core asserts.
+* module_globals.py: megatron-core's module globals (``_TENSOR_MODEL_PARALLEL_GROUP``, ...), read
+  and written through this face's module type (NOTE [ Module globals ]).
+* memory_buffer.py: ``GlobalMemoryBuffer`` (megatron's path ``utils.GlobalMemoryBuffer`` too).
 
 # NOTE [ Rank layout ]
 #
@@ -63,6 +66,8 @@ the package is built in layers, each file one idea:
 # tests/test_rank_grid.py checks both examples and hand-written tables for worlds 1, 2, 4, 8.
 """
 
+import sys as _sys
+
 from megatron_core.parallel_state.all_gather_groups import create_all_gather_groups
 from megatron_core.parallel_state.getters_dense import *  # noqa: F403
 from megatron_core.parallel_state.getters_dense import __all__ as _dense_names
@@ -83,6 +88,7 @@ from megatron_core.parallel_state.initialize import (
     initialize_model_parallel,
 )
 from megatron_core.parallel_state.layout import compute_rank_layout
+from megatron_core.parallel_state.module_globals import ParallelStateModule as _Module
 from megatron_core.parallel_state.rank_generator import (
     RankGenerator,
     default_embedding_ranks,
@@ -133,3 +139,7 @@ __all__ = [
 ]
 # getters_dense.py, getters_pipeline.py, getters_expert.py
 __all__ += _dense_names + _pipeline_names + _expert_names
+
+# megatron-core's module globals (_TENSOR_MODEL_PARALLEL_GROUP, ...) read and write the state.
+# See NOTE [ Module globals ] in module_globals.py.
+_sys.modules[__name__].__class__ = _Module

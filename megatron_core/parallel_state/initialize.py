@@ -21,8 +21,8 @@ from megatron_core.parallel_state.agreement import agree_on_arguments
 from megatron_core.parallel_state.create import create_groups, validated_options
 from megatron_core.parallel_state.groups import reset_process_group_list
 from megatron_core.parallel_state.layout import embedding_rules, layout_of, validate_sizes
+from megatron_core.parallel_state.memory_buffer import GlobalMemoryBuffer
 from megatron_core.parallel_state.state import ParallelState, _replace_state, _state
-from megatron_core.utils import GlobalMemoryBuffer
 
 __all__ = ["initialize_model_parallel", "destroy_model_parallel"]
 

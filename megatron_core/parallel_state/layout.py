@@ -132,7 +132,9 @@ def validate_sizes(
         )
     sizes = ParallelSizes(world_size, tp, pp, cp, dp, ep, etp, expert_dp, order, n_opt, rank_offset)
     dense, expert = sizes.dense_grid(), sizes.expert_grid()  # validates the order string
-    if not (dense.order.endswith("pp") or pp == 1 or expert_dp == dp):
+    # The caller's order, as megatron-core checks it: the grids' normalized orders have the
+    # omitted size-1 axes appended ("tp-ep-dp-pp" becomes "tp-ep-dp-pp-cp").
+    if not (order.endswith("pp") or pp == 1 or expert_dp == dp):
         raise MegatronCoreError(
             f"order ({order!r}) does not end in 'pp', so with pipeline_model_parallel_size ({pp}) "
             f"> 1 the expert data parallel size ({expert_dp}) must equal the data parallel size "

@@ -56,8 +56,9 @@ def param_is_not_tensor_parallel_duplicate(
 
     Args:
         param: the parameter.
-        tp_group: the tensor-parallel group whose rank 0 counts replicated parameters; default
-            parallel_state's.
+        tp_group: the tensor-parallel group whose rank 0 counts replicated parameters (a
+            process group, or any object whose ``rank()`` gives this rank's place in it, as
+            megatron-core reads it); default parallel_state's.
         expert_tp_group: (megatron-core 0.19) used instead of ``tp_group`` for a parameter
             reduced over the expert data-parallel group (``param.allreduce`` False).
     """
@@ -66,7 +67,7 @@ def param_is_not_tensor_parallel_duplicate(
     if expert_tp_group is not None and not getattr(param, "allreduce", True):
         tp_group = expert_tp_group
     if tp_group is not None:
-        return dist.get_rank(tp_group) == 0
+        return tp_group.rank() == 0
     return parallel_state.get_tensor_model_parallel_rank() == 0
 
 

@@ -4,30 +4,9 @@
 import torch
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.utils import divide, ensure_divisibility  # noqa: F401 (megatron-core path)
 
 # No module-level __all__ here: the package __init__ lists the public names.
-
-
-def ensure_divisibility(numerator: int, denominator: int) -> None:
-    """Raise unless ``denominator`` is a positive integer that divides ``numerator``.
-
-    Raises:
-        MegatronCoreError: naming both values, e.g. ``10 is not divisible by 4``.
-    """
-    if not isinstance(denominator, int) or denominator < 1:
-        raise MegatronCoreError(f"divisor ({denominator!r}) must be a positive integer")
-    if not isinstance(numerator, int) or numerator % denominator:
-        raise MegatronCoreError(f"{numerator!r} is not divisible by {denominator!r}")
-
-
-def divide(numerator: int, denominator: int) -> int:
-    """``numerator // denominator``, after checking that the division is exact.
-
-    Raises:
-        MegatronCoreError: if ``denominator`` does not divide ``numerator``.
-    """
-    ensure_divisibility(numerator, denominator)
-    return numerator // denominator
 
 
 def split_tensor_along_last_dim(
@@ -108,7 +87,6 @@ class VocabUtility:
         return VocabUtility.vocab_range_from_per_partition_vocab_size(
             global_vocab_size // world_size, rank, world_size
         )
-
 
 
 # 1-D equal chunks (the distributed saved activations of a checkpoint).
@@ -229,5 +207,3 @@ def gather_split_1d_tensor(
             gathered, tensor.detach().reshape(-1).contiguous(), group=_default_group(group)
         )
     return gathered if numel is None else gathered[:numel]
-
-
