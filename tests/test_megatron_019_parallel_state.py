@@ -96,6 +96,10 @@ def _gtp_body():
             ps.get_expert_gtp_weight_remat_global_ranks(),
         ),
         "same": (
+            ps._GTP_WEIGHT_REMAT_GROUP is ps.get_gtp_weight_remat_group(),
+            ps._EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS == [rank],
+            ps._DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT
+            is ps.get_data_parallel_group(with_context_parallel=True),
             ps.get_data_parallel_group(with_gtp_remat=False) is ps.get_data_parallel_group(),
             ps.get_data_parallel_world_size(True, with_gtp_remat=False)
             == ps.get_data_parallel_world_size(True),
