@@ -124,35 +124,46 @@ def _default_problem(p: inspect.Parameter, name: str, kind: str, default) -> str
 def signature_problems(obj, params: list[list], newer: list[list] | None = None) -> list[str]:
     """What differs between ``obj``'s signature and megatron-core's ``params`` (empty if none).
 
-    ``newer`` is the same callable's parameters in the newest release: a trailing extra
-    parameter may be positional when it sits at the same position there.
+    Positional parameters must match one by one (name, kind, default); keyword-only ones by
+    name, in any order (a caller cannot tell the order); ``*args`` / ``**kwargs`` where
+    megatron-core has them. ``newer`` is the same callable's parameters in the newest release:
+    a trailing extra parameter may be positional when it sits at the same position there.
     """
     try:
         ours = _parameters(obj, params)
     except (TypeError, ValueError) as exc:
         return [f"no signature: {exc}"]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    our_pos = [p for p in ours if p.kind in positional]
+    our_kw = {p.name: p for p in ours if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    our_var = {p.kind for p in ours if p.kind in _VAR}
     problems = []
-    for i, (name, kind, default) in enumerate(params):
-        if i >= len(ours):
-            problems.append(f"missing parameter {name!r} (position {i})")
-            continue
-        p = ours[i]
-        if p.name != name:
-            problems.append(f"parameter {i} is {p.name!r}, megatron-core has {name!r}")
+    their_pos = [row for row in params if _KIND[row[1]] in positional]
+    for i, (name, kind, default) in enumerate(their_pos):
+        p = our_pos[i] if i < len(our_pos) else None
+        if p is None or p.name != name:
+            got = "nothing" if p is None else repr(p.name)
+            problems.append(f"positional parameter {i} is {got}, megatron-core has {name!r}")
             continue
         if p.kind != _KIND[kind]:
             problems.append(f"{name!r} is {p.kind.name}, megatron-core has {kind}")
-        problem = _default_problem(p, name, kind, default)
-        if problem:
-            problems.append(problem)
-    newer_names = [row[0] for row in newer or []]
-    for i, p in enumerate(ours[len(params) :], start=len(params)):
+        problems += [x for x in [_default_problem(p, name, kind, default)] if x]
+    for name, kind, default in params:
+        if _KIND[kind] in _VAR and _KIND[kind] not in our_var:
+            problems.append(f"takes no {kind} parameter (megatron-core's {name!r})")
+        elif _KIND[kind] is inspect.Parameter.KEYWORD_ONLY:
+            p = our_kw.pop(name, None)
+            if p is None:
+                problems.append(f"missing keyword-only parameter {name!r}")
+            else:
+                problems += [x for x in [_default_problem(p, name, kind, default)] if x]
+    newer_names = [row[0] for row in newer or [] if _KIND[row[1]] in positional]
+    for i, p in enumerate(our_pos[len(their_pos) :], start=len(their_pos)):
         has_default = p.default is not inspect.Parameter.empty
-        ok = p.kind is inspect.Parameter.KEYWORD_ONLY and has_default
-        ok = ok or p.kind is inspect.Parameter.VAR_KEYWORD
-        ok = ok or (has_default and i < len(newer_names) and newer_names[i] == p.name)
-        if not ok:
+        if not (has_default and i < len(newer_names) and newer_names[i] == p.name):
             problems.append(f"extra parameter {p.name!r} ({p.kind.name}) is not keyword-only")
+    problems += [f"extra keyword-only {n!r} has no default" for n, p in our_kw.items()
+                 if p.default is inspect.Parameter.empty]  # fmt: skip
     return problems
 
 
@@ -358,10 +369,26 @@ def test_checker_catches_differences():
 
     assert signature_problems(same, params) == []
     assert signature_problems(more_defaults, params) == []  # megatron's calls all pass a
+    kw = [["a", "positional_or_keyword", None], ["x", "keyword_only", "1"],
+          ["y", "keyword_only", "2"], ["kwargs", "var_keyword", None]]  # fmt: skip
+
+    def reordered(a, *, y=2, view=None, x=1, **options):
+        pass
+
+    def no_kwargs(a, *, x=1, y=2):
+        pass
+
+    assert signature_problems(reordered, kw) == []  # keyword order and **name are invisible
+    assert signature_problems(no_kwargs, kw)
     assert signature_problems(renamed, params)
     assert signature_problems(other_default, params)
     assert signature_problems(extra_positional, params)
-    assert signature_problems(extra_positional, params, newer=params + [["c", "x", "None"]]) == []
+    assert (
+        signature_problems(
+            extra_positional, params, newer=params + [["c", "positional_or_keyword", "None"]]
+        )
+        == []
+    )
     assert signature_problems(keyword_only, params)
     assert keyword_problems(keyword_only, params) == []
     assert keyword_problems(renamed, params)
