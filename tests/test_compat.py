@@ -69,13 +69,6 @@ OUT_OF_SCOPE_NAMES = {
     "pipeline_parallel.utils.set_ideal_affinity_for_current_gpu": "NVML CPU affinity (CUDA only)",
 }
 
-# Methods that may be absent (README "Porting", item 2); checked like any other when present.
-MAY_BE_ABSENT_METHODS = {
-    ("ColumnParallelLinear", "sharded_state_dict"): "no dist_checkpointing",
-    ("RowParallelLinear", "sharded_state_dict"): "no dist_checkpointing",
-    ("VocabParallelEmbedding", "sharded_state_dict"): "no dist_checkpointing",
-}
-
 # Packages whose names are checked in ``__all__`` too (the __init__ is the family's public face).
 PACKAGES = {"tensor_parallel", "pipeline_parallel"}
 
@@ -203,9 +196,8 @@ def _class_problems(obj, row: dict, qualname: str, check, newer_row: dict | None
     newer_methods = (newer_row or {}).get("methods", {})
     for method, params in row["methods"].items():
         fn = inspect.getattr_static(obj, method, None)
-        if fn is None and (obj.__name__, method) not in MAY_BE_ABSENT_METHODS:
-            problems.append(f"{qualname}.{method} is missing")
         if fn is None:
+            problems.append(f"{qualname}.{method} is missing")
             continue
         if isinstance(fn, staticmethod | classmethod):
             fn = fn.__func__
