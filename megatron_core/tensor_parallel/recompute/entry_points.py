@@ -120,7 +120,7 @@ class CheckpointFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx, *grad_outputs):
+    def backward(ctx, *args):  # megatron-core's name: the output gradients
         """Rebuild the inputs, recompute under the forward's RNG, return the input gradients.
 
         Raises:
@@ -138,7 +138,7 @@ class CheckpointFunction(torch.autograd.Function):
         if ctx.fingerprints is not None:
             check_outputs(ctx.fingerprints, outputs)  # rule 6
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        return (None, None, *backward_through(outputs, grad_outputs, inputs))
+        return (None, None, *backward_through(outputs, args, inputs))
 
 
 def _saved_tensors_of(ctx) -> Callable[[], Sequence[torch.Tensor]]:
