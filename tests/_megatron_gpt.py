@@ -311,10 +311,11 @@ def save_checkpoint(run: Run, full: dict[str, torch.Tensor], directory: str) -> 
     from megatron.core import dist_checkpointing
 
     model = build_model(run)
-    load_full(model, full)
+    names = _layer_names(model)
+    load_full(model, {n: full[g] for n, g in names.items() if g in full})
     with cpu_only_cuda_calls():
         dist_checkpointing.save(model.sharded_state_dict(), directory)
-    return {n: full_tensor(p, p) for n, p in model.named_parameters()}
+    return {names[n]: full_tensor(p, p) for n, p in model.named_parameters()}
 
 
 def load_checkpoint(run: Run, directory: str) -> dict:
@@ -326,4 +327,5 @@ def load_checkpoint(run: Run, directory: str) -> dict:
     model = build_model(run)
     state = dist_checkpointing.load(model.sharded_state_dict(), directory)
     model.load_state_dict(state)
-    return {n: full_tensor(p, p) for n, p in model.named_parameters()}
+    names = _layer_names(model)
+    return {names[n]: full_tensor(p, p) for n, p in model.named_parameters()}

@@ -27,3 +27,15 @@ def test_saved_at_tp2_loads_at_tp1_and_tp4(tmp_path):
         loaded = run_distributed(load_checkpoint, tp, Run(tp=tp), directory, timeout=TIMEOUT)
         for name, param in saved.items():
             assert loaded[0][name].equal(param), f"tp={tp}: {name}"
+
+
+def test_moe_saved_at_ep2_loads_at_ep1(tmp_path):
+    """megatron-core's SequentialMLP places each local expert at its global index through
+    ``sharded_offsets``, which this package's expert layers prepend to their TP axis."""
+    start = run_distributed(initial_state, 1, Run(moe=True), timeout=TIMEOUT)[0]
+    directory = str(tmp_path)
+    run_distributed(save_checkpoint, 2, Run(moe=True, ep=2), start, directory, timeout=TIMEOUT)
+    loaded = run_distributed(load_checkpoint, 1, Run(moe=True), directory, timeout=TIMEOUT)[0]
+    assert loaded.keys() == start.keys()
+    for name, param in start.items():
+        assert loaded[name].equal(param), name
