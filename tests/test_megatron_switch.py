@@ -139,3 +139,21 @@ def test_pytest_plugin_runs_a_megatron_suite_on_gloo_with_one_flag(tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_megatron
+def test_python_m_runner_installs_the_switch_before_the_script(tmp_path):
+    script = tmp_path / "user_script.py"
+    script.write_text(
+        "import sys\n"
+        "from megatron.core import parallel_state\n"
+        "print(parallel_state.__name__, sys.argv[1:])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_core.megatron", str(script), "--tp", "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == "megatron_core.parallel_state ['--tp', '2']"
