@@ -78,6 +78,18 @@ def _wrap(ddp_run: DDPRun, model):
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
+def _gather_reduced_shards(ddp, dp_group) -> None:
+    """With ``use_distributed_optimizer`` DDP reduce-scatters each bucket: data-parallel rank r
+    holds the reduced r-th equal shard of ``bucket.grad_data``. The distributed optimizer steps
+    only that shard; the test, stepping a torch SGD, all-gathers the shards first."""
+    dp_size = torch.distributed.get_world_size(dp_group)
+    dp_rank = torch.distributed.get_rank(dp_group)
+    for buffer in ddp.buffers:
+        for bucket in buffer.buckets:
+            shards = list(bucket.grad_data.chunk(dp_size))
+            torch.distributed.all_gather(shards, shards[dp_rank].clone(), group=dp_group)
+
+
 def train_ddp(ddp_run: DDPRun, full: dict[str, torch.Tensor]) -> dict:
     """``run.steps`` steps; each data-parallel rank trains on its own microbatches. Returns the
     losses (averaged over data-parallel ranks), the reduced unsharded gradients of every step
@@ -124,6 +136,8 @@ def _train_ddp(ddp_run: DDPRun, full: dict[str, torch.Tensor]) -> dict:
             micro_batch_size=BATCH,
             forward_only=False,
         )
+        if ddp_run.distributed_optimizer:
+            _gather_reduced_shards(ddp, dp_group)
         loss = torch.stack([r["loss"] for r in reports]).mean()
         torch.distributed.all_reduce(loss, group=dp_group)
         losses.append(loss / parallel_state.get_data_parallel_world_size())

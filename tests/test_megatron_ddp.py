@@ -4,7 +4,8 @@ megatron-core 0.16.1's DDP allocates its grad buffers on ``torch.cuda.current_de
 (distributed/param_and_grad_buffer.py), so on a CPU-only torch the rank bodies run with that call
 answering "cpu" (_megatron_gpt.cpu_only_cuda_calls); ``get_megatron_optimizer`` cannot run on a
 CPU at all (its optimizers create tensors with ``device='cuda'``; README, porting), so the runs
-step a torch SGD over DDP's ``main_grad``. Sequence parallelism is on, so finalize_model_grads'
+step a torch SGD over DDP's ``main_grad`` (under ``use_distributed_optimizer``, after gathering
+the reduce-scattered shards). Sequence parallelism is on, so finalize_model_grads'
 tensor-parallel reduction meets DDP's buffers (with overlap_grad_reduce, still in flight).
 """
 
@@ -47,10 +48,14 @@ def _check(actual: dict, expected: dict, exact: bool) -> None:
         same(actual["params"][name], param, f"final {name}")
 
 
-@pytest.mark.parametrize("overlap_grad_reduce", [False, True])
-def test_ddp_tp2_dp2_matches_tp1_dp1(start, overlap_grad_reduce):
+@pytest.mark.parametrize(
+    "overlap_grad_reduce, distributed_optimizer", [(False, False), (True, False), (True, True)]
+)
+def test_ddp_tp2_dp2_matches_tp1_dp1(start, overlap_grad_reduce, distributed_optimizer):
+    # distributed_optimizer: DDP reduce-scatters the buckets (each DP rank reduces one shard);
+    # the run all-gathers the shards before its torch step (_megatron_ddp._gather_reduced_shards).
     reference = run_distributed(train_ddp, 1, DDPRun(Run()), start, timeout=TIMEOUT)[0]
-    ddp_run = DDPRun(SHARDED, overlap_grad_reduce=overlap_grad_reduce)
+    ddp_run = DDPRun(SHARDED, distributed_optimizer, overlap_grad_reduce)
     per_rank = run_distributed(train_ddp, 4, ddp_run, start, timeout=TIMEOUT)
     for result in per_rank:
         _check(result, reference, exact=False)
