@@ -257,25 +257,37 @@ def train(run: Run, full: dict[str, torch.Tensor] | None) -> dict:
     # normalization would blow up those of near-zero gradients).
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, grads = [], []
+    from megatron_core import tensor_parallel  # served as megatron.core.tensor_parallel
+
+    # Count the checkpoints megatron-core's block / attention take through this package.
+    counted = unittest.mock.patch.object(
+        tensor_parallel, "checkpoint", wraps=tensor_parallel.checkpoint
+    )
     for step in range(run.steps):
         optimizer.zero_grad()
         data = iter([batch(step, m) for m in range(run.microbatches)])
-        reports = get_forward_backward_func()(
-            forward_step_func=_forward_step,
-            data_iterator=data,
-            model=[model],
-            num_microbatches=run.microbatches,
-            seq_length=SEQ,
-            micro_batch_size=BATCH,
-            forward_only=False,
-        )
+        with counted as checkpoint:
+            reports = get_forward_backward_func()(
+                forward_step_func=_forward_step,
+                data_iterator=data,
+                model=[model],
+                num_microbatches=run.microbatches,
+                seq_length=SEQ,
+                micro_batch_size=BATCH,
+                forward_only=False,
+            )
         if reports:
             losses.append(torch.stack([r["loss"] for r in reports]).mean())
         grads.append({names[n]: full_tensor(p, p.grad) for n, p in model.named_parameters()})
         optimizer.step()
     params = {names[n]: full_tensor(p, p) for n, p in model.named_parameters()}
     params.update({names[n]: b.clone() for n, b in model.named_buffers() if "expert_bias" in n})
-    return {"losses": losses, "grads": grads, "params": params}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": params,
+        "checkpoints": checkpoint.call_count,
+    }
 
 
 def initial_state(run: Run) -> dict[str, torch.Tensor]:

@@ -84,9 +84,13 @@ def test_recompute_is_bitwise_equal_with_dropout(distributed, dense_start):
     dropout masks through this package's RNG tracker: bitwise the run without recompute."""
     base = dataclasses.replace(DENSE, tp=2, dropout=0.1)
     plain = distributed(train, 2, base, dense_start, timeout=TIMEOUT)
+    assert plain[0]["checkpoints"] == 0
     for recompute in ("full", "selective"):
         run = dataclasses.replace(base, recompute=recompute)
-        _assert_runs_equal(plain[0], distributed(train, 2, run, dense_start, timeout=TIMEOUT), True)
+        per_rank = distributed(train, 2, run, dense_start, timeout=TIMEOUT)
+        # one checkpoint per layer and microbatch (in the last step)
+        assert per_rank[0]["checkpoints"] == 2 * DENSE.microbatches, recompute
+        _assert_runs_equal(plain[0], per_rank, exact=True)
 
 
 @pytest.mark.parametrize("expert_bias", [False, True])
