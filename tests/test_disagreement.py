@@ -327,7 +327,9 @@ CASES = {
         always=True,
     ),
     "modes_differ": Case(
-        _modes_differ, ("initialize_model_parallel", "consistency mode", "always 4096"), always=True
+        _modes_differ,
+        ("initialize_model_parallel", "consistency mode", "always, window 4096"),
+        always=True,
     ),
     "finalize_grads_of_different_models": Case(
         _finalize_grads_of_different_models, ("finalize_model_grads all_reduce", "shape")

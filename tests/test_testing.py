@@ -16,7 +16,7 @@ from megatron_core.testing import (
     distributed_test,
     run_distributed,
 )
-from megatron_core.testing.harness import _worker_pids
+from megatron_core.testing.pools import _worker_pids
 
 
 def _rank_world_and_sum(offset, scale=1.0):

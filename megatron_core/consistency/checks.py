@@ -53,8 +53,6 @@ those, and :func:`collective_failed` turns torch's errors (that mismatch, a time
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import json
 from collections.abc import Callable, Iterator
 
@@ -70,7 +68,12 @@ from megatron_core.consistency.switch import (
     window_size,
     windows_done,
 )
-from megatron_core.errors import MegatronCoreError
+from megatron_core.errors import CollectiveError, MegatronCoreError, RankDisagreementError
+from megatron_core.parallel_state.agreement import (
+    SLOTS as _SLOTS,  # NOTE [ Agree before acting ], 1
+)
+from megatron_core.parallel_state.agreement import exchange, exchange_text
+from megatron_core.parallel_state.agreement import hash_text as _hash_text
 
 describe_group = _text.describe_group  # public: "the tensor-model-parallel group (...)"
 
@@ -88,61 +91,26 @@ __all__ = [
     "describe_group",
 ]
 
-_SLOTS = 16  # int64 values per rank in every exchange (NOTE [ Agree before acting ], rule 1)
 _MAX_DIMS = 8  # shape dimensions stored as such; more are hashed
 _FAILED_SLOT = 14  # [magic, op, dtype, ndim, 8 dims, more dims, args, failed, window done]
 _DONE_SLOT = 15  # this rank's windows are done (NOTE [ Check window ], rule 4); not compared
 _MAGIC = 0x4D435F4147524545  # "MC_AGREE": a rank in another exchange shows up as a mismatch
-# torch 2.13 renamed all_gather_into_tensor (the old name warns).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class RankDisagreementError(MegatronCoreError):
-    """The ranks of a group disagreed (op, shape, dtype or arguments), or one of them failed a
-    check; raised with the same message on every rank of the group."""
-
-
-class CollectiveError(MegatronCoreError):
-    """A collective failed inside torch.distributed (timeout, dead peer, torch's own mismatch
-    check); the message names the op and the group, the torch error is the ``__cause__``."""
 
 
 # --- the exchange ----------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4096)
-def _hash_text(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
-
-
-def _buffer_device(group: dist.ProcessGroup) -> torch.device:
-    if dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    from megatron_core import device
-
-    return device.current_device()
-
-
 def _exchange(values: list[int], group: dist.ProcessGroup, op: str) -> torch.Tensor:
     """All-gather ``values`` (the same length on every rank) -> [group size, len] int64 (cpu);
     a failure (a peer that never comes: the group timeout) names the check and ``op``."""
-    local = torch.tensor(values, dtype=torch.int64, device=_buffer_device(group))
-    gathered = local.new_empty(dist.get_world_size(group) * len(values))
     with named_failures(f"the consistency check's all-gather before {op}", group):
-        _all_gather_single(gathered, local, group=group)
-    return gathered.view(-1, len(values)).cpu()
+        return exchange(values, group)
 
 
 def _exchange_text(text: str, group: dist.ProcessGroup, op: str) -> list[str]:
-    """Every rank's ``text`` (slow path: sizes first, then padded bytes; rule 1)."""
-    data = text.encode()
-    sizes = _exchange([len(data)] + [0] * (_SLOTS - 1), group, op)[:, 0].tolist()
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
-    gathered = padded.to(_buffer_device(group)).new_empty(len(sizes) * max(sizes))
-    _all_gather_single(gathered, padded.to(gathered.device), group=group)
-    rows = gathered.view(len(sizes), -1).cpu()
-    return [bytes(rows[r, : sizes[r]].tolist()).decode() for r in range(len(sizes))]
+    """Every rank's ``text`` (slow path, rule 1), failures named as in :func:`_exchange`."""
+    with named_failures(f"the consistency check's all-gather before {op}", group):
+        return exchange_text(text, group)
 
 
 def _descriptor(op, tensor, shape, dtype, args, failed: bool) -> list[int]:
@@ -195,7 +163,7 @@ def agree(
     if content is not None:
         args = {**args, "content checksum": _text.checksum(content)}
     # Ranks in different modes or windows would stop checking at different collectives.
-    args["consistency mode"] = f"{mode().value} {window_size()}"
+    args["consistency mode"] = f"{mode().value}, window {window_size()}"
     values = _descriptor(op, tensor, shape, dtype, args, error is not None)
     values[_DONE_SLOT] = int(windows_done())
     table = _exchange(values, group, op)

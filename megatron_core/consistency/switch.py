@@ -49,6 +49,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state.agreement import add_agreed_setting
 
 __all__ = [
     "CHECK_ENV",
@@ -238,3 +239,15 @@ def close_window(group: dist.ProcessGroup | None) -> None:
     """End ``group``'s window now (called on every member alike: rule 4)."""
     group = dist.group.WORLD if group is None else group
     _COUNTS[group.group_name] = max(_COUNTS.get(group.group_name, 0), window_size())
+
+
+def _describe() -> str:
+    try:
+        return f"{mode().value}, window {window_size()}"
+    except MegatronCoreError as exc:  # a bad environment value: shown, and raised on first use
+        return f"invalid ({exc})"
+
+
+# Every rank must run the same mode and window (NOTE [ Check window ], rule 1):
+# initialize_model_parallel compares them over WORLD.
+add_agreed_setting("consistency mode", _describe)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.parallel_state.layout import ParallelSizes
-from megatron_core.utils import GlobalMemoryBuffer
+from megatron_core.parallel_state.memory_buffer import GlobalMemoryBuffer
 
 __all__ = [
     "ParallelState",
@@ -51,6 +51,8 @@ class ParallelState:
         virtual_pipeline_model_parallel_size / _rank: interleaved-schedule state (None if unused).
         pipeline_model_parallel_split_rank: encoder/decoder split stage (an extension), or None.
         memory_buffer / symmetric_memory_buffer: the global buffers (see get_global_memory_buffer).
+        assigned_globals: megatron-core module global name -> its value before the first
+            assignment ``parallel_state._X = ...`` (NOTE [ Module globals ], module_globals.py).
     """
 
     global_rank: int | None = None
@@ -67,6 +69,7 @@ class ParallelState:
     pipeline_model_parallel_split_rank: int | None = None
     memory_buffer: GlobalMemoryBuffer | None = None
     symmetric_memory_buffer: object | None = None
+    assigned_globals: dict[str, object] = field(default_factory=dict)
 
     @property
     def initialized(self) -> bool:

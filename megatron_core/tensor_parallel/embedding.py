@@ -23,6 +23,7 @@ from megatron_core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron_core.tensor_parallel.sharded_state import sharded_state_dict_of_layer
 from megatron_core.tensor_parallel.utils import VocabUtility
 
 __all__ = ["VocabParallelEmbedding"]
@@ -79,6 +80,14 @@ class VocabParallelEmbedding(torch.nn.Module):
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
         full_shape = (num_embeddings, embedding_dim)
         _init_shard(self.weight, config, init_method, full_shape, 0, 1, self.tp_rank, self.tp_size)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None) -> dict:
+        """megatron-core's dist_checkpointing view: the weight split over TP along the vocab
+        (shape mismatches allowed, for a vocab padded differently at another TP size). See
+        NOTE [ Sharded state dict ] in tensor_parallel/sharded_state.py."""
+        return sharded_state_dict_of_layer(
+            self, prefix, {"weight": 0}, sharded_offsets, metadata, allow_shape_mismatch=True
+        )
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Embed the ids ``input_`` [b, s]: [b, s, h], or [s/tp, b, h] when reduce-scattering.

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
-from megatron_core.tensor_parallel.recompute.entry_points import (
+from megatron_core.tensor_parallel.recompute import (
     CheckpointWithoutOutput,
     checkpoint,
     checkpoint_layer_stack,

@@ -20,14 +20,9 @@ are served by the ``tensor_parallel`` face, which imports this package.
 
 from megatron_core.tensor_parallel.recompute.entry_points import (
     CheckpointFunction,
-    CheckpointWithoutOutput,
-    CheckpointWithoutOutputFunction,
     Distribute,
-    RecomputeMethod,
     capture_saved_inputs,
     checkpoint,
-    checkpoint_layer_stack,
-    checkpoint_sequential,
     is_checkpointing,
     set_checkpoint_early_stop,
 )
@@ -36,9 +31,18 @@ from megatron_core.tensor_parallel.recompute.memory import (
     count_saved_activations,
     storage_key_and_nbytes,
 )
+from megatron_core.tensor_parallel.recompute.stacks import (
+    RecomputeMethod,
+    checkpoint_layer_stack,
+    checkpoint_sequential,
+)
+from megatron_core.tensor_parallel.recompute.without_output import (
+    CheckpointWithoutOutput,
+    CheckpointWithoutOutputFunction,
+)
 
-__all__ = [
-    # entry_points.py
+# Names megatron-core's tensor_parallel.random also serves (attached by the tensor_parallel face).
+RANDOM_MODULE_NAMES = (
     "checkpoint",
     "CheckpointFunction",
     "CheckpointWithoutOutput",
@@ -50,6 +54,23 @@ __all__ = [
     "capture_saved_inputs",
     "is_checkpointing",
     "set_checkpoint_early_stop",
+)
+
+__all__ = [
+    # entry_points.py
+    "checkpoint",
+    "CheckpointFunction",
+    "Distribute",
+    "capture_saved_inputs",
+    "is_checkpointing",
+    "set_checkpoint_early_stop",
+    # stacks.py
+    "RecomputeMethod",
+    "checkpoint_layer_stack",
+    "checkpoint_sequential",
+    # without_output.py
+    "CheckpointWithoutOutput",
+    "CheckpointWithoutOutputFunction",
     # memory.py
     "SavedActivationReport",
     "count_saved_activations",

@@ -84,25 +84,11 @@ from megatron_core.tensor_parallel.recompute.saved_inputs import (
     is_checkpointing,
     output_fingerprints,
 )
-from megatron_core.tensor_parallel.recompute.stacks import (
-    RecomputeMethod,
-    checkpoint_layer_stack,
-    checkpoint_sequential,
-)
-from megatron_core.tensor_parallel.recompute.without_output import (
-    CheckpointWithoutOutput,
-    CheckpointWithoutOutputFunction,
-)
 
 __all__ = [
     "checkpoint",
     "CheckpointFunction",
-    "CheckpointWithoutOutput",
-    "CheckpointWithoutOutputFunction",
     "Distribute",
-    "RecomputeMethod",
-    "checkpoint_layer_stack",
-    "checkpoint_sequential",
     "capture_saved_inputs",
     "is_checkpointing",
     "set_checkpoint_early_stop",
@@ -137,7 +123,7 @@ class CheckpointFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx, *grad_outputs):
+    def backward(ctx, *args):  # megatron-core's name: the output gradients
         """Rebuild the inputs, recompute under the forward's RNG, return the input gradients.
 
         Raises:
@@ -155,7 +141,7 @@ class CheckpointFunction(torch.autograd.Function):
         if ctx.fingerprints is not None:
             check_outputs(ctx.fingerprints, outputs)  # rule 6
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        return (None, None, *backward_through(outputs, grad_outputs, inputs))
+        return (None, None, *backward_through(outputs, args, inputs))
 
 
 def _saved_tensors_of(ctx) -> Callable[[], Sequence[torch.Tensor]]:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.recompute.entry_points import checkpoint
 
 __all__ = ["RecomputeMethod", "checkpoint_layer_stack", "checkpoint_sequential"]
 
@@ -76,10 +77,6 @@ def checkpoint_layer_stack(
         regions = [(start, start + size, True) for start in range(0, len(layers), size)]
     else:
         regions = [(i, i + 1, i < recompute_num_layers) for i in range(len(layers))]
-    from megatron_core.tensor_parallel.recompute.entry_points import (
-        checkpoint,  # imports this module
-    )
-
     for start, end, recompute in regions:
         run = _run_layers(layers[start:end])
         if recompute:
@@ -134,10 +131,6 @@ def checkpoint_sequential(
         MegatronCoreError: ``segments`` out of range (before anything runs), or any error of
             :func:`checkpoint`.
     """
-    from megatron_core.tensor_parallel.recompute.entry_points import (
-        checkpoint,  # imports this module
-    )
-
     if isinstance(functions, torch.nn.Sequential):
         functions = list(functions.children())
     functions = list(functions)
