@@ -500,9 +500,15 @@ ISSUE_22_CASES = {
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", [n for names in ISSUE_22_CASES.values() for n in names])
-def test_issue_22_case_in_the_default_mode(name, tp):
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_case_in_the_default_mode(name, tp):
+    """Every case, issue 22's included, ends in the default mode as in check mode."""
     _assert_agreed_error(name, tp, check="window")
+
+
+def test_issue_22_cases_are_all_run():
+    listed = [n for names in ISSUE_22_CASES.values() for n in names]
+    assert len(listed) == 19 and set(listed) <= set(CASES)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
