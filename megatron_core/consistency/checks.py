@@ -3,7 +3,7 @@
 Every rank of a group must call the same collective with tensors of the same shape and dtype and
 with arguments that agree (vocabulary partitions, split sizes, broadcast keys). When they do not,
 gloo and NCCL hang, abort the process (gloo's ``op.preamble.length <= op.nbytes``), or silently
-reinterpret bytes. This module gives the package two primitives and a switch:
+reinterpret bytes. This module gives the package two primitives, used as switch.py says:
 
 * :func:`agree` (always runs) exchanges one fixed-size descriptor per rank -- the op, the tensor's
   shape and dtype, a hash of the arguments that must agree, and whether this rank hit an error --

@@ -149,7 +149,8 @@ def is_enabled() -> bool:
 
 def set_enabled(enabled: bool | None) -> bool | None:
     """Check mode on (True: ``ALWAYS``), off (False: ``OFF``, not even the window), or None to
-    follow the environment again; returns the previous setting as a bool (None: environment)."""
+    follow the environment again; returns the previous setting as a bool (None: environment; a
+    forced ``WINDOW`` reads as False: :func:`set_mode` restores any mode exactly)."""
     if enabled is not None and not isinstance(enabled, bool):
         raise MegatronCoreError(f"set_enabled: enabled ({enabled!r}) must be True, False or None")
     new = None if enabled is None else (CheckMode.ALWAYS if enabled else CheckMode.OFF)
