@@ -12,9 +12,11 @@ Options (see --help): --tensor-model-parallel-size, --sequence-parallel, --recom
 megatron_core.training.
 """
 
+import os
 import sys
 
 from megatron_core.training import initialize_distributed, parse_args, train
+from megatron_core.training.arguments import validate_args
 from megatron_core.training.launcher import launch
 
 
@@ -25,6 +27,10 @@ def _nproc_per_node(argv) -> int:
 def main() -> int:
     """One rank: parse arguments, start the process group and train; returns the exit status."""
     args = parse_args(sys.argv[1:])
+    # A layout that does not fit the world fails on every rank before any connection is made: a
+    # rank that exited after the process group started could break its peers' connection set-up
+    # and they would report that instead of the layout (train() validates again, unchanged).
+    validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     initialize_distributed(args.device, args.distributed_timeout_minutes)
     train(args)
     return 0
