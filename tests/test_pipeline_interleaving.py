@@ -116,7 +116,7 @@ def _reference(m: int, variable: bool, forward_only: bool = False):
 
 def _config(case):
     return types.SimpleNamespace(
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=None if case.get("dtype_missing") else torch.float32,
         hidden_size=HIDDEN,
         sequence_parallel=False,
         batch_p2p_comm=case.get("batch", not case.get("overlap", False)),
@@ -144,6 +144,10 @@ def _run(case):
         v = c * pp + rank
         chunks.append(_Chunk(config, layers[v * per : (v + 1) * per], v == 0, c))
         owned.update({v * per + j: layer for j, layer in enumerate(chunks[-1].layers)})
+    if case.get("sync"):  # record megatron-core DDP's overlap hooks as events
+        owner = {id(next(chunk.parameters())): c for c, chunk in enumerate(chunks)}
+        config.grad_sync_func = lambda params: EVENTS.append(("G", owner[id(next(params))]))
+        config.param_sync_func = lambda params: EVENTS.append(("P", owner[id(next(params))]))
     losses, events = [], None
     for step in range(STEPS):
         for layer in owned.values():
@@ -192,6 +196,8 @@ CASES = {
         dict(pp=2, vp=2, m=6, group=4, batch=True),
         dict(pp=2, m=3, variable=True),  # 1F1B, shapes exchanged
         dict(pp=2, vp=2, m=4, overlap=True, flush=True, forward_only=True),
+        dict(pp=2, vp=3, m=4, sync=True),  # grad / param sync hooks per chunk
+        dict(pp=2, m=3, sync=True),
     ],
     4: [
         dict(pp=4, vp=2, m=8, overlap=True),
@@ -230,6 +236,23 @@ def _expected_order(case, rank):
     return fwd[:warmup] + steady + bwd[len(fwd) - warmup :]
 
 
+def _check_sync_hooks(case, rank, events):
+    """megatron-core's timing of grad_sync_func / param_sync_func (schedules.py, 0.16.1)."""
+    vp = case.get("vp")
+    if vp is None:  # 1F1B: stage 0 lets its last backward sync; the others call the hook last
+        assert [e for e in events if e[0] in "GP"] == ([] if rank == 0 else [("G", 0)])
+        if rank:
+            assert events[-1] == ("G", 0)
+        return
+    for c in range(vp):
+        grads = [i for i, e in enumerate(events) if e == ("G", c)]
+        params = [i for i, e in enumerate(events) if e == ("P", c)]
+        backwards = [i for i, e in enumerate(events) if e[0] == "B" and e[2] == c]
+        forwards = [i for i, e in enumerate(events) if e[0] == "F" and e[2] == c]
+        assert len(grads) == 1 and grads[0] > max(backwards), (rank, c, events)
+        assert len(params) == 1 and params[0] < min(forwards), (rank, c, events)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_options_match_one_process_and_megatron_order(world_size):
     cases = CASES[world_size]
@@ -241,6 +264,9 @@ def test_options_match_one_process_and_megatron_order(world_size):
         seen = set()
         for rank in range(world_size):
             losses, grads, events = per_rank[rank][index]
+            if case.get("sync"):
+                _check_sync_hooks(case, rank, events)
+                events = [e for e in events if e[0] in "FB"]
             assert events == _expected_order(case, rank), (case, rank)
             if rank == world_size - 1:
                 for step in range(STEPS):
@@ -416,3 +442,23 @@ def test_stage_helpers_on_two_ranks():
     assert last == (False, True, 0, 1, None, 0, (False, True, 2, 1))
     func = get_forward_backward_func(2, None, schedule_pg_collection=None)
     assert func is schedules.forward_backward_pipelining_without_interleaving
+
+
+def _pp4_errors():
+    """1F1B and interleaved at pp=4 without pipeline_dtype: the message names pp=4."""
+    messages = []
+    for vp in (None, 2):
+        try:
+            _run(dict(pp=4, vp=vp, m=4, dtype_missing=True))
+        except RuntimeError as error:
+            messages.append(str(error))
+        finally:
+            parallel_state.destroy_model_parallel()
+    return messages
+
+
+def test_argument_error_names_the_real_pipeline_size():
+    for messages in run_distributed(_pp4_errors, 4, timeout=60):
+        assert len(messages) == 2
+        for message in messages:
+            assert "pipeline size (4)" in message, message

@@ -23,6 +23,14 @@ from megatron_core.pipeline_parallel._steps import (
 __all__ = ["InterleavedRun"]
 
 
+def _per_chunk(config, name: str, vp: int):
+    """``config.<name>`` as one function per chunk (megatron-core accepts one or a list)."""
+    func = option(config, name)
+    if func is None or isinstance(func, list):
+        return func
+    return [func] * vp
+
+
 class InterleavedRun:
     """The state of one interleaved pass over ``len(model)`` chunks on this stage."""
 
@@ -49,6 +57,13 @@ class InterleavedRun:
         self.overlap = bool(option(self.config, "overlap_p2p_comm", False))
         self.flush = self.overlap and bool(option(self.config, "overlap_p2p_comm_warmup_flush"))
         self.deallocate = bool(option(self.config, "deallocate_pipeline_outputs", False))
+        self.grad_sync = (
+            None if forward_only else _per_chunk(self.config, "grad_sync_func", self.vp)
+        )
+        self.param_sync = (
+            None if forward_only else _per_chunk(self.config, "param_sync_func", self.vp)
+        )
+        self.synchronized: set[int] = set()
         self.inputs = [[] for _ in self.model]
         self.outputs = [[] for _ in self.model]
         self.output_grads = [[] for _ in self.model]
@@ -90,6 +105,7 @@ class InterleavedRun:
     def forward(self, k: int):
         """Forward of virtual id k; returns what to send on (None for the model's last chunk)."""
         c, mb = self.chunk(k, True), self.mb_table[k]
+        self.sync_params_ahead(k)
         if self.model_input_edge(c) and len(self.inputs[c]) == len(self.outputs[c]):
             self.inputs[c].append(None)
         input_tensor = self.inputs[c][mb - self.released(k, c)]
@@ -121,14 +137,49 @@ class InterleavedRun:
         """Backward of virtual id k; returns what to send back (None for the model's first
         chunk). Grad sync runs only in the backward of a chunk's last microbatch."""
         c = self.chunk(k, False)
-        if k < self.total and self.mb_table[k] == self.m - 1:
+        if self.grad_sync is None and self.last_of_chunk(k):
             self.enable_sync()
+            self.synchronized.add(c)
         if self.model_output_edge(c) and not self.output_grads[c]:
             self.output_grads[c].append(None)
         input_tensor, output = self.inputs[c].pop(0), self.outputs[c].pop(0)
         grad = backward_step(input_tensor, output, self.output_grads[c].pop(0), None, self.config)
+        self.sync_grads_behind(k)
         self.disable_sync()
         return None if self.model_input_edge(c) else grad
+
+    def last_of_chunk(self, k: int) -> bool:
+        return 0 <= k < self.total and self.mb_table[k] == self.m - 1
+
+    def sync_params_ahead(self, k: int) -> None:
+        """megatron-core's ``param_sync_func`` timing: stage r starts chunk c + 1's parameter
+        sync at forward k when forward k + r is chunk c's first microbatch (chunks 0 and 1
+        are synced before the pass), so all stages launch it at about the same time."""
+        ahead = k + self.rank
+        if self.param_sync is None or ahead >= self.total or self.mb_table[ahead] != 0:
+            return
+        c = self.chunk(ahead, True) + 1
+        if 1 < c < self.vp:
+            self.param_sync[c](self.model[c].parameters())
+
+    def sync_grads_behind(self, k: int) -> None:
+        """megatron-core's ``grad_sync_func`` timing: after backward k, stage r launches the
+        grad sync of the chunk whose last microbatch was backward k - r."""
+        behind = k - self.rank
+        if self.grad_sync is None or not self.last_of_chunk(behind):
+            return
+        c = self.chunk(behind, False)
+        self.enable_sync()
+        self.grad_sync[c](self.model[c].parameters())
+        self.synchronized.add(c)
+
+    def sync_remaining_grads(self) -> None:
+        """After the cool-down: every chunk whose grad sync has not been launched yet."""
+        self.enable_sync()
+        for c in range(self.vp) if self.grad_sync is not None else ():
+            if c not in self.synchronized:
+                self.grad_sync[c](self.model[c].parameters())
+                self.synchronized.add(c)
 
     def enable_sync(self) -> None:
         if self._sync is not None:
@@ -183,6 +234,9 @@ class InterleavedRun:
         """Warm-up, steady 1F1B, cool-down; then check that no receive is left pending."""
         self._no_sync = no_sync
         self.disable_sync()
+        if self.param_sync is not None:
+            for c in range(min(2, self.vp)):
+                self.param_sync[c](self.model[c].parameters())
         try:
             self.inputs[0].append(self.p2p.recv_forward(self.shape, self.first))
             for k in range(self.warmup):
@@ -191,6 +245,7 @@ class InterleavedRun:
                 self.steady_step(k)
             if not self.forward_only:
                 self.cooldown()
+            self.wait_sends()
         finally:
             self.enable_sync()
         if self.recv_prev_handles or self.recv_next_handles:
@@ -261,6 +316,10 @@ class InterleavedRun:
             self.output_grads[self.vp - 1].append(self.p2p.recv_backward(self.shape, self.last))
         for k in range(self.remaining, self.total):
             self.cooldown_step(k)
+        self.sync_remaining_grads()
+
+    def wait_sends(self) -> None:
+        """Wait for the last posted send in each direction (its buffer must outlive it)."""
         for name in ("send_next", "send_prev"):
             if self.send_handles[name] is not None:
                 self.send_handles[name].wait()

@@ -31,6 +31,7 @@ class OneFOneB:
         self.inputs: list = []
         self.outputs: list = []
         self.deallocate = bool(option(config, "deallocate_pipeline_outputs", False))
+        self.grad_sync = option(config, "grad_sync_func")
         self._sync = None
 
     def forward(self, i: int, input_tensor, is_first: bool):
@@ -63,7 +64,11 @@ class OneFOneB:
         input_tensor, output = self.inputs.pop(0), self.outputs.pop(0)
         return backward_step(input_tensor, output, output_grad, None, self.config)
 
-    def enable_sync(self) -> None:
+    def enable_sync(self, last_backward: bool = False) -> None:
+        """Leave ``no_sync_func``; at the last backward only on stage 0 when a
+        ``grad_sync_func`` is set (megatron-core: the others sync in the bubble, at the end)."""
+        if last_backward and self.grad_sync is not None and self.p2p.pp_rank != 0:
+            return
         if self._sync is not None:
             self._sync.__exit__(None, None, None)
             self._sync = None
@@ -86,6 +91,10 @@ class OneFOneB:
             self.steady(warmup)
             if not forward_only:
                 self.cooldown(warmup)
+                if self._sync is not None:  # the grad reductions not launched yet
+                    self.enable_sync()
+                    if self.grad_sync is not None:
+                        self.grad_sync(self.model.parameters())
         finally:
             self.enable_sync()
 
@@ -104,7 +113,7 @@ class OneFOneB:
             output_grad = p2p.send_forward_recv_backward(output, self.send, self.last)
             self.keep(input_tensor, output)
             if final and warmup == 0:
-                self.enable_sync()
+                self.enable_sync(last_backward=True)
             input_grad = self.backward(output_grad)
             if final:
                 input_tensor = None
@@ -116,6 +125,6 @@ class OneFOneB:
         """Rule 3: the remaining backwards; grad sync is on for the very last one."""
         for i in range(warmup):
             if i == warmup - 1:
-                self.enable_sync()
+                self.enable_sync(last_backward=True)
             output_grad = self.p2p.recv_backward(self.send, self.last)
             self.p2p.send_backward(self.backward(output_grad), self.first)
