@@ -57,6 +57,8 @@ __all__ = [
     "memory_allocated",
     "max_memory_allocated",
     "reset_peak_memory_stats",
+    "nvtx_range_push",
+    "nvtx_range_pop",
 ]
 
 _SUPPORTED = ("cpu", "cuda")
@@ -202,6 +204,18 @@ def reset_peak_memory_stats() -> None:
     """Reset the device's peak-memory counter (a no-op on cpu)."""
     if device_type() == "cuda":
         torch.cuda.reset_peak_memory_stats()
+
+
+def nvtx_range_push(msg: str) -> None:
+    """Open an NVTX range named ``msg`` for profilers (``torch.cuda.nvtx``); a no-op on cpu."""
+    if device_type() == "cuda":
+        torch.cuda.nvtx.range_push(msg)
+
+
+def nvtx_range_pop() -> None:
+    """Close the innermost NVTX range opened by :func:`nvtx_range_push`; a no-op on cpu."""
+    if device_type() == "cuda":
+        torch.cuda.nvtx.range_pop()
 
 
 _OVERLAP_WARNED: set[str] = set()

@@ -11,7 +11,7 @@ megatron-core reports most bad input with ``assert`` statements, and code writte
 a bare ``assert`` the check still runs under ``python -O``.
 """
 
-__all__ = ["MegatronCoreError", "ConfigError"]
+__all__ = ["MegatronCoreError", "ConfigError", "RankDisagreementError", "CollectiveError"]
 
 
 class MegatronCoreError(RuntimeError, AssertionError):
@@ -28,3 +28,13 @@ class ConfigError(MegatronCoreError, ValueError):
     Also a ``ValueError``, which is what megatron-core's ``__post_init__`` raises, so
     ``except ValueError`` written for megatron-core still catches it.
     """
+
+
+class RankDisagreementError(MegatronCoreError):
+    """The ranks of a group disagreed (op, shape, dtype or arguments), or one of them failed a
+    check; raised with the same message on every rank of the group."""
+
+
+class CollectiveError(MegatronCoreError):
+    """A collective failed inside torch.distributed (timeout, dead peer, torch's own mismatch
+    check); the message names the op and the group, the torch error is the ``__cause__``."""

@@ -14,7 +14,29 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state as ps
 
-__all__ = ["ProcessGroupCollection"]
+__all__ = ["ProcessGroupHelperMeta", "ProcessGroupCollection"]
+
+
+class ProcessGroupHelperMeta(type):
+    """Metaclass whose classes refuse ``Cls.virtual_pipeline_model_parallel_size = ...``.
+
+    megatron-core 0.16.1's guard for classes that keep the virtual pipeline size as a class
+    attribute: it must change through their ``set_virtual_pipeline_model_parallel_size()``.
+    Every other class attribute is set as usual.
+    """
+
+    def __setattr__(cls, name, value):
+        """Set ``name`` on the class, except virtual_pipeline_model_parallel_size.
+
+        Raises:
+            AttributeError: ``name`` is virtual_pipeline_model_parallel_size (names the setter).
+        """
+        if name == "virtual_pipeline_model_parallel_size":
+            raise AttributeError(
+                f"Cannot set {cls.__name__}.{name} (to {value!r}) directly; use "
+                f"set_virtual_pipeline_model_parallel_size() instead"
+            )
+        super().__setattr__(name, value)
 
 
 @dataclass(init=False, repr=False)

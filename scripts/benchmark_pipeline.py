@@ -44,7 +44,7 @@ from megatron_core.pipeline_parallel.interleaved import (  # noqa: E402
     interleaved_warmup_microbatches,
 )
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
-from megatron_core.tensor_parallel.memory import count_saved_activations  # noqa: E402
+from megatron_core.tensor_parallel.recompute.memory import count_saved_activations  # noqa: E402
 from megatron_core.testing import run_distributed  # noqa: E402
 from megatron_core.transformer import GPTModel, TransformerConfig  # noqa: E402
 

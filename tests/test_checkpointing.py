@@ -949,7 +949,7 @@ def test_bytes_alive_during_backward_as_torch():
 
 
 def test_rng_snapshots_are_shared_until_a_stream_moves(seeded):
-    from megatron_core.tensor_parallel.checkpoint_inputs import ForwardState
+    from megatron_core.tensor_parallel.recompute.saved_inputs import ForwardState
 
     a, b = ForwardState.capture(), ForwardState.capture()
     assert a.rng.tracker_states is b.rng.tracker_states  # nothing moved: one copy

@@ -15,7 +15,10 @@ from torch import nn
 from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import checkpoint
-from megatron_core.tensor_parallel.memory import count_saved_activations, storage_key_and_nbytes
+from megatron_core.tensor_parallel.recompute.memory import (
+    count_saved_activations,
+    storage_key_and_nbytes,
+)
 from megatron_core.testing import run_distributed
 
 F32 = 4  # bytes per float32 element

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_core import _parallel_setup
 from megatron_core import parallel_state as ps
 from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state import create as _parallel_setup
 from megatron_core.process_groups_config import ProcessGroupCollection
 from megatron_core.testing import run_distributed
 from megatron_core.utils import GlobalMemoryBuffer

@@ -29,7 +29,7 @@ from megatron_core.pipeline_parallel import (
     interleaved_warmup_microbatches,
 )
 from megatron_core.process_groups_config import ProcessGroupCollection
-from megatron_core.tensor_parallel.memory import count_saved_activations
+from megatron_core.tensor_parallel.recompute.memory import count_saved_activations
 from megatron_core.testing import NO_REUSE_ENV, run_distributed
 
 LAYERS, HIDDEN, SEQ, BATCH = 8, 6, 3, 2

@@ -175,20 +175,37 @@ def test_states_are_values_not_aliases(dev):
     copies = {k: v.clone() for k, v in held.items()}
     with tracker.fork():
         draw()
-    for name in held:  # a fork never writes into a dict somebody holds
+    for name in held:  # get_states returns copies: a fork never writes into them
         same(held[name], copies[name])
-    # megatron-core keeps the dict given to set_states by reference: the first fork writes into
-    # it and a second replay (backward with retain_graph=True) draws different masks. Not here.
-    masks = []
-    for _ in range(2):
-        tracker.set_states(held)
-        with tracker.fork():
-            masks.append(F.dropout(torch.ones(64, device=device.current_device()), 0.5))
-    same(masks[0], masks[1])
+
+
+def test_set_states_keeps_the_dict_as_given(dev):
+    """megatron-core semantics: the dict itself is kept, any values, and forks write into it."""
+    tracker = tp_random.CudaRNGStatesTracker()
+    given = {"state1": 1234}
+    tracker.set_states(given)
+    assert tracker.states_ is given and tracker.get_states() == {"state1": 1234}
+    held = seeded().get_states()
     tracker.set_states(held)
-    held[MP].zero_()  # mutating the caller's tensor afterwards does not reach the tracker
+    before = held[MP]
     with tracker.fork():
-        same(draw(), reference(SEED + 2718))
+        first = draw()
+    assert held[MP] is not before  # the advanced state was stored into the caller's dict
+    with tracker.fork():
+        assert not torch.equal(draw(), first)  # continues from there
+    tracker.set_states({k: v.clone() for k, v in held.items()})
+    with tracker.fork():  # a copy replays the stream from the same point twice
+        same(draw(), draw_after(held[MP]))
+
+
+def draw_after(state):
+    gen = device.device_generator()
+    saved = gen.get_state()
+    gen.set_state(state)
+    try:
+        return draw()
+    finally:
+        gen.set_state(saved)
 
 
 def test_snapshot_is_reusable_and_immutable(dev):
@@ -440,7 +457,7 @@ def test_save_load_per_rank_and_refusal_of_another_ranks_state():
 
 
 def test_checkpoint_is_re_exported_from_random():
-    from megatron_core.tensor_parallel import checkpointing
+    from megatron_core.tensor_parallel.recompute import entry_points as checkpointing
 
     assert tp_random.checkpoint is checkpointing.checkpoint  # megatron-core's import path
 

@@ -16,7 +16,10 @@ from megatron_core.parallel_state import (
     compute_rank_layout,
     generate_masked_orthogonal_rank_groups,
 )
-from megatron_core.rank_grid import hierarchical_rank_groups, hybrid_dp_cp_rank_groups
+from megatron_core.parallel_state.rank_generator import (
+    hierarchical_rank_groups,
+    hybrid_dp_cp_rank_groups,
+)
 
 # kind -> (grid, axes that vary inside a group); NOTE [ Rank layout ], rule 4.
 KIND_AXES = {

@@ -12,7 +12,7 @@ import torch
 from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron_core.tensor_parallel.memory import count_saved_activations
+from megatron_core.tensor_parallel.recompute.memory import count_saved_activations
 from megatron_core.testing import run_distributed
 from megatron_core.transformer import GPTModel, TransformerConfig
 

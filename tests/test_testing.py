@@ -13,10 +13,10 @@ from megatron_core.errors import MegatronCoreError
 from megatron_core.testing import (
     DistributedTestError,
     DistributedTestTimeout,
-    _worker_pids,
     distributed_test,
     run_distributed,
 )
+from megatron_core.testing.pools import _worker_pids
 
 
 def _rank_world_and_sum(offset, scale=1.0):

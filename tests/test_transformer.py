@@ -17,7 +17,7 @@ from megatron_core.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
     model_parallel_cuda_manual_seed,
 )
-from megatron_core.tensor_parallel.memory import count_saved_activations
+from megatron_core.tensor_parallel.recompute.memory import count_saved_activations
 from megatron_core.testing import run_distributed
 from megatron_core.transformer import GPTModel, TransformerConfig, scaled_init_method_normal
 

@@ -27,8 +27,9 @@ import torch.distributed as dist
 from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.layer_params import allreduce_sequence_parallel_grads
+from megatron_core.utils import get_attr_wrapped_model
 
-__all__ = ["finalize_model_grads"]
+__all__ = ["finalize_model_grads", "reset_model_temporary_tensors"]
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -150,3 +151,28 @@ def _device_of(model: list[torch.nn.Module]) -> torch.device:
         for p in chunk.parameters():
             return p.device
     return torch.device("cpu")
+
+
+def reset_model_temporary_tensors(config, model: list[torch.nn.Module]) -> None:
+    """Clear the per-step MoE router statistics of every module of ``model`` (0.16.1 semantics).
+
+    For each chunk (unwrapped to the object with ``modules``), every module that has an
+    ``expert_bias`` gets its ``local_tokens_per_expert`` zeroed in place when
+    ``config.moe_router_enable_expert_bias``; every module with ``reset_global_aux_loss_tracker``
+    has it called when ``config.moe_router_load_balancing_type`` is or contains
+    "global_aux_loss". A config without these MoE fields (a plain ModelParallelConfig) resets
+    nothing. No collective runs.
+
+    Args:
+        config: the model's TransformerConfig.
+        model: this rank's model chunks.
+    """
+    expert_bias = getattr(config, "moe_router_enable_expert_bias", False)
+    balancing = getattr(config, "moe_router_load_balancing_type", "") or ""
+    global_aux = balancing == "global_aux_loss" or "global_aux_loss" in balancing
+    for chunk in model:
+        for module in get_attr_wrapped_model(chunk, "modules")():
+            if expert_bias and hasattr(module, "expert_bias"):
+                module.local_tokens_per_expert.zero_()
+            if global_aux and hasattr(module, "reset_global_aux_loss_tracker"):
+                module.reset_global_aux_loss_tracker()

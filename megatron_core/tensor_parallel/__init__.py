@@ -1,14 +1,13 @@
 """Tensor parallelism: layers, communication regions, cross entropy, data, RNG, checkpointing.
 
-Mirrors ``megatron.core.tensor_parallel``; each block below re-exports one source file.
+Mirrors ``megatron.core.tensor_parallel``; each block below re-exports the public names of the
+file its first line names and adds them to ``__all__``.
 """
 
-# Each section below imports its file's public names and extends __all__ with them, e.g.
-# __all__ += ["divide", "split_tensor_along_last_dim"]
 __all__: list[str] = []
 
-# --- section: utils.py divide/split/VocabUtility (owner: mappings) ---
-from megatron_core.tensor_parallel.utils import (  # noqa: E402
+# From utils.py: divisibility, splitting along the last dimension, vocabulary ranges
+from megatron_core.tensor_parallel.utils import (
     VocabUtility,
     divide,
     ensure_divisibility,
@@ -16,19 +15,17 @@ from megatron_core.tensor_parallel.utils import (  # noqa: E402
 )
 
 __all__ += ["divide", "ensure_divisibility", "split_tensor_along_last_dim", "VocabUtility"]
-# --- end section: utils.py divide/split/VocabUtility ---
 
-# --- section: utils.py 1-D chunks (owner: checkpoint) ---
-from megatron_core.tensor_parallel.utils import (  # noqa: E402
+# From utils.py: 1-D equal chunks (distributed saved activations)
+from megatron_core.tensor_parallel.utils import (
     gather_split_1d_tensor,
     split_tensor_into_1d_equal_chunks,
 )
 
 __all__ += ["split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor"]
-# --- end section: utils.py 1-D chunks ---
 
-# --- section: mappings.py (owner: mappings) ---
-from megatron_core.tensor_parallel.mappings import (  # noqa: E402
+# From mappings.py: the communication regions (f / g / sequence-parallel / all-to-all)
+from megatron_core.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
     all_to_all,
     all_to_all_hp2sp,
@@ -57,10 +54,9 @@ __all__ += [
     "all_to_all_sp2hp",
     "all_to_all_hp2sp",
 ]
-# --- end section: mappings.py ---
 
-# --- section: layers.py (owner: layers) ---
-from megatron_core.tensor_parallel.layers import (  # noqa: E402
+# From layers.py: the parallel linear and embedding layers and their parameter attributes
+from megatron_core.tensor_parallel.layers import (
     ColumnParallelLinear,
     LinearWithFrozenWeight,
     LinearWithGradAccumulationAndAsyncCommunication,
@@ -89,34 +85,30 @@ __all__ += [
     "param_is_not_tensor_parallel_duplicate",
     "allreduce_sequence_parallel_grads",
 ]
-# --- end section: layers.py ---
 
-# --- section: inference_layers.py (Transformer Engine layers in megatron-core) ---
-from megatron_core.tensor_parallel.inference_layers import (  # noqa: E402
+# From inference_layers.py: the inference layers (Transformer Engine ones in megatron-core)
+from megatron_core.tensor_parallel.inference_layers import (
     InferenceLayerNormColumnParallelLinear,
     InferenceRowParallelLinear,
 )
 
 __all__ += ["InferenceLayerNormColumnParallelLinear", "InferenceRowParallelLinear"]
-# --- end section: inference_layers.py ---
 
-# --- section: cross_entropy.py (owner: mappings) ---
-from megatron_core.tensor_parallel.cross_entropy import (  # noqa: E402
+# From cross_entropy.py: the vocabulary-parallel cross entropy
+from megatron_core.tensor_parallel.cross_entropy import (
     VocabParallelCrossEntropy,
     vocab_parallel_cross_entropy,
 )
 
 __all__ += ["vocab_parallel_cross_entropy", "VocabParallelCrossEntropy"]
-# --- end section: cross_entropy.py ---
 
-# --- section: data.py (owner: mappings) ---
-from megatron_core.tensor_parallel.data import broadcast_data  # noqa: E402
+# From data.py: broadcast_data
+from megatron_core.tensor_parallel.data import broadcast_data
 
 __all__ += ["broadcast_data"]
-# --- end section: data.py ---
 
-# --- section: random.py (owner: rng) ---
-from megatron_core.tensor_parallel.random import (  # noqa: E402
+# From random.py and rng_state.py: the RNG states tracker, seeding, snapshots, audit
+from megatron_core.tensor_parallel.random import (
     CudaRNGStatesTracker,
     InferenceCudaRNGStatesTracker,
     RNGSnapshot,
@@ -132,7 +124,7 @@ from megatron_core.tensor_parallel.random import (  # noqa: E402
     model_parallel_cuda_manual_seed,
     set_rng_snapshot,
 )
-from megatron_core.tensor_parallel.rng_state import (  # noqa: E402
+from megatron_core.tensor_parallel.rng_state import (
     RNGAuditReport,
     audit_rng_streams,
     get_rng_state_dict,
@@ -160,10 +152,9 @@ __all__ += [
     "get_rng_state_dict",
     "set_rng_state_dict",
 ]
-# --- end section: random.py ---
 
-# --- section: checkpointing.py (owner: checkpoint) ---
-from megatron_core.tensor_parallel.checkpointing import (  # noqa: E402
+# From recompute/: activation checkpointing (NOTE [ Checkpoint rules ])
+from megatron_core.tensor_parallel.recompute import (
     CheckpointWithoutOutput,
     CheckpointWithoutOutputFunction,
     Distribute,
@@ -188,13 +179,21 @@ __all__ += [
     "is_checkpointing",
     "set_checkpoint_early_stop",
 ]
-# --- end section: checkpointing.py ---
 
-# --- section: memory.py (owner: bench) ---
-from megatron_core.tensor_parallel.memory import (  # noqa: E402
+# From recompute/memory.py: saved-activation accounting
+from megatron_core.tensor_parallel.recompute import (
     SavedActivationReport,
     count_saved_activations,
 )
 
 __all__ += ["count_saved_activations", "SavedActivationReport"]
-# --- end section: memory.py ---
+
+# megatron-core also serves checkpoint and its siblings from tensor_parallel.random. random.py sits
+# below recompute/ (a recompute replays random.py's RNG snapshots), so this face, which imports
+# both, attaches them there instead of random.py importing recompute/ (no import cycle).
+from megatron_core.tensor_parallel import random as _random
+from megatron_core.tensor_parallel import recompute as _recompute
+
+for _name in _recompute.RANDOM_MODULE_NAMES:
+    setattr(_random, _name, getattr(_recompute, _name))
+del _name

@@ -51,13 +51,14 @@ def param_is_not_tensor_parallel_duplicate(
 
     Args:
         param: the parameter.
-        tp_group: the tensor-parallel group whose rank 0 counts replicated parameters; default
-            parallel_state's.
+        tp_group: the tensor-parallel group whose rank 0 counts replicated parameters (a
+            process group, or any object whose ``rank()`` gives this rank's place in it, as
+            megatron-core reads it); default parallel_state's.
     """
     if getattr(param, "tensor_model_parallel", False):
         return True
     if tp_group is not None:
-        return dist.get_rank(tp_group) == 0
+        return tp_group.rank() == 0
     return parallel_state.get_tensor_model_parallel_rank() == 0
 
 

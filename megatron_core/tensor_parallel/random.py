@@ -4,7 +4,8 @@ Megatron-compatible names (``CudaRNGStatesTracker``, ``get_cuda_rng_tracker``,
 ``model_parallel_cuda_manual_seed``); the "cuda" in them is Megatron's spelling. The tracker drives
 the current device's generator through :mod:`megatron_core.device`: the CUDA generator of the
 current GPU on cuda, the CPU generator on cpu. Audit and save/load live in ``rng_state.py``;
-``checkpoint`` and friends are re-exported here from ``checkpointing.py`` (as in megatron-core).
+``checkpoint`` and friends are attached here by the ``tensor_parallel`` face (megatron-core's
+path ``tensor_parallel.random.checkpoint``), from ``recompute/entry_points.py``.
 
 # NOTE [ RNG streams ]
 1. Streams. The tracker holds named generator states for the *device* generator. After
@@ -31,15 +32,16 @@ current GPU on cuda, the CPU generator on cpu. Audit and save/load live in ``rng
    nest: entering a fork while stream X is active first writes X's in-flight state back, and
    leaving restores X from the tracker, so fork A > fork B > fork A draws exactly what the
    sequential forks A, B, A, B, A draw.
-5. Snapshots are values, never aliases. ``get_states()`` returns copies (including the in-flight
-   state of the active stream), ``set_states()`` stores copies, ``RNGSnapshot`` holds copies and
-   ``set_rng_snapshot`` copies again. megatron-core keeps the dict given to ``set_states`` by
-   reference; a later fork writes into it, so a second recompute from the same saved states (e.g.
-   backward with retain_graph=True through a checkpoint) draws different dropout masks. A
-   snapshot also records which stream was active (the fork it was taken in) and restoring it makes
-   that stream active again: a region checkpointed inside ``fork(A)`` is recomputed in backward,
-   outside any fork, and a ``fork(A)`` nested in it must still write A's in-flight state back
-   first (rule 4), exactly as it did in forward.
+5. Snapshots are values; ``set_states`` is megatron-core's. ``get_states()`` returns copies
+   (including the in-flight state of the active stream) and ``RNGSnapshot`` holds copies.
+   ``set_states(d)`` keeps ``d`` itself, as megatron-core does (values of any type, no copy): a
+   later fork writes the advanced state into ``d``. So ``set_rng_snapshot`` (what a checkpoint's
+   recompute uses) hands the tracker a fresh copy of the snapshot's states each time: a second
+   recompute from the same snapshot (backward with retain_graph=True) draws the same dropout
+   masks. A snapshot also records which stream was active (the fork it was taken in) and
+   restoring it makes that stream active again: a region checkpointed inside ``fork(A)`` is
+   recomputed in backward, outside any fork, and a ``fork(A)`` nested in it must still write A's
+   in-flight state back first (rule 4), exactly as it did in forward.
 6. Devices. On cuda the tracker forks only the GPU generator; CPU draws inside a fork come from
    the (unforked) CPU generator, as in megatron-core. On cpu the device generator IS the CPU
    generator: a snapshot stores that state once and restores it once. Seeding also seeds the CPU
@@ -104,8 +106,11 @@ def get_expert_parallel_rng_tracker_name() -> str:
 
 
 def _copy_state(state: Any) -> Any:
-    """A value copy of one generator state: a ByteTensor, or a graph-safe Generator."""
-    return state.clone_state() if isinstance(state, torch.Generator) else state.clone()
+    """A value copy of one generator state (a ByteTensor or a graph-safe Generator); any other
+    value (megatron-core's set_states accepts anything) is returned as it is."""
+    if isinstance(state, torch.Generator):
+        return state.clone_state()
+    return state.clone() if isinstance(state, torch.Tensor) else state
 
 
 def _graph_safe_supported() -> bool:
@@ -155,9 +160,9 @@ class CudaRNGStatesTracker:
 
     def _set(self, gen: torch.Generator, state: Any) -> None:
         if self.use_cudagraphable_rng:
-            gen.graphsafe_set_state(state)
+            gen.graphsafe_set_state(self._to_state(state))
         else:
-            gen.set_state(state)
+            gen.set_state(self._to_state(state))
 
     def get_states(self) -> dict[str, Any]:
         """Copies of every stream's state, the active stream's in-flight state included.
@@ -169,20 +174,26 @@ class CudaRNGStatesTracker:
             states[self._active] = _copy_state(self._get(device.device_generator()))
         return states
 
-    def set_states(self, states: Mapping[str, Any]) -> None:
-        """Replace every stream with copies of ``states`` (as returned by get_states)."""
+    def set_states(self, states: dict[str, Any]) -> None:
+        """Use ``states`` (name -> state, e.g. from get_states) as the tracker's streams.
+
+        megatron-core semantics (NOTE [ RNG streams ], rule 5): the dict itself is kept, not
+        copied, and its values are not checked; a later fork stores the advanced state into it.
+        Pass a copy to keep the caller's dict unchanged.
+        """
         self._is_initialized = True
-        self.states_ = {name: self._to_state(s) for name, s in states.items()}
+        self.states_ = states
 
     def _to_state(self, state: Any) -> Any:
-        """A private copy of ``state`` in this tracker's representation."""
+        """``state`` in this tracker's representation (converted only when it is the other one:
+        a ByteTensor for a graph-safe tracker, a graph-safe Generator for a plain one)."""
         if self.use_cudagraphable_rng and isinstance(state, torch.Tensor):
             gen = device.device_generator().graphsafe_get_state().clone_state()
             gen.set_state(state)
             return gen
         if not self.use_cudagraphable_rng and isinstance(state, torch.Generator):
             return state.get_state()
-        return _copy_state(state)
+        return state
 
     def add(self, name: str, seed: int) -> None:
         """Register stream ``name`` seeded with ``seed``; the device generator is left unchanged.
@@ -457,18 +468,7 @@ def set_rng_snapshot(snapshot: RNGSnapshot) -> None:
     if kind != "cpu":  # on cpu device_state is cpu_state. See NOTE [ RNG streams ], rule 6
         device.set_rng_state(snapshot.device_state)
     tracker = get_cuda_rng_tracker()
-    tracker.set_states(snapshot.tracker_states)
+    # A fresh copy: set_states keeps the dict it is given. See NOTE [ RNG streams ], rule 5
+    tracker.set_states({name: _copy_state(s) for name, s in snapshot.tracker_states.items()})
     if hasattr(tracker, "_active"):  # See NOTE [ RNG streams ], rule 5
         tracker._active = snapshot.active_stream
-
-
-def __getattr__(name: str) -> Any:
-    """Re-export checkpoint & co. from checkpointing.py lazily (it imports this module)."""
-    if not name.startswith("_"):
-        try:
-            from megatron_core.tensor_parallel import checkpointing
-        except ImportError:
-            checkpointing = None
-        if name in getattr(checkpointing, "__all__", ()):
-            return getattr(checkpointing, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,37 +1,12 @@
-"""Pure tensor math for tensor parallelism (no autograd classes, no modules).
+"""Pure tensor math for tensor parallelism (no autograd classes, no modules)."""
 
-Two owners write this file; each edits only its own section.
-"""
-
-# --- section: divide / split / VocabUtility (owner: mappings) ---
+# Divisibility, splitting along the last dimension, vocabulary ranges.
 import torch
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.utils import divide, ensure_divisibility  # noqa: F401 (megatron-core path)
 
-# No module-level __all__ here: two sections share this file; the package __init__ lists the
-# public names. `torch` and `MegatronCoreError` above are available to the section below as well.
-
-
-def ensure_divisibility(numerator: int, denominator: int) -> None:
-    """Raise unless ``denominator`` is a positive integer that divides ``numerator``.
-
-    Raises:
-        MegatronCoreError: naming both values, e.g. ``10 is not divisible by 4``.
-    """
-    if not isinstance(denominator, int) or denominator < 1:
-        raise MegatronCoreError(f"divisor ({denominator!r}) must be a positive integer")
-    if not isinstance(numerator, int) or numerator % denominator:
-        raise MegatronCoreError(f"{numerator!r} is not divisible by {denominator!r}")
-
-
-def divide(numerator: int, denominator: int) -> int:
-    """``numerator // denominator``, after checking that the division is exact.
-
-    Raises:
-        MegatronCoreError: if ``denominator`` does not divide ``numerator``.
-    """
-    ensure_divisibility(numerator, denominator)
-    return numerator // denominator
+# No module-level __all__ here: the package __init__ lists the public names.
 
 
 def split_tensor_along_last_dim(
@@ -114,11 +89,9 @@ class VocabUtility:
         )
 
 
-# --- end section: divide / split / VocabUtility ---
-
-# --- section: 1-D chunks (owner: checkpoint) ---
+# 1-D equal chunks (the distributed saved activations of a checkpoint).
 # Used by checkpoint(distribute_saved_activations=True); see NOTE [ Checkpoint rules ], rule 3, in
-# tensor_parallel/checkpointing.py.
+# tensor_parallel/recompute/entry_points.py.
 from megatron_core import consistency, parallel_state  # noqa: E402
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
@@ -234,6 +207,3 @@ def gather_split_1d_tensor(
             gathered, tensor.detach().reshape(-1).contiguous(), group=_default_group(group)
         )
     return gathered if numel is None else gathered[:numel]
-
-
-# --- end section: 1-D chunks ---

@@ -24,8 +24,8 @@ from megatron_core import consistency, device, parallel_state
 from megatron_core.distributed import finalize_model_grads
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
-from megatron_core.tensor_parallel.memory import count_saved_activations
 from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron_core.tensor_parallel.recompute.memory import count_saved_activations
 from megatron_core.training.arguments import validate_args
 from megatron_core.training.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from megatron_core.training.data import VOCAB_SIZE, ByteCorpus, get_batch

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.pipeline_parallel import get_forward_backward_func
-from megatron_core.tensor_parallel.memory import count_saved_activations
 from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron_core.tensor_parallel.recompute.memory import count_saved_activations
 from megatron_core.training.data import ByteCorpus, get_batch
 from megatron_core.transformer import GPTModel, TransformerConfig
 

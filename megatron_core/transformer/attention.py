@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from megatron_core.tensor_parallel.checkpointing import checkpoint
 from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_core.tensor_parallel.recompute.entry_points import checkpoint
 from megatron_core.tensor_parallel.utils import divide, split_tensor_along_last_dim
 from megatron_core.transformer.config import TransformerConfig
 

@@ -24,12 +24,12 @@ import torch.nn.functional as F
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.checkpointing import (
+from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_core.tensor_parallel.recompute import (
     CheckpointWithoutOutput,
     checkpoint,
     checkpoint_layer_stack,
 )
-from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron_core.transformer.attention import ParallelAttention
 from megatron_core.transformer.config import TransformerConfig
 from megatron_core.transformer.mlp import ParallelMLP

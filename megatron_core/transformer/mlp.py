@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_core.tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
 from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_core.tensor_parallel.recompute.without_output import CheckpointWithoutOutput
 from megatron_core.transformer.config import TransformerConfig
 
 __all__ = ["ParallelMLP"]

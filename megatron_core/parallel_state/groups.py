@@ -26,7 +26,10 @@ import torch.distributed as dist
 
 from megatron_core import device
 from megatron_core.errors import MegatronCoreError
-from megatron_core.rank_grid import hierarchical_rank_groups, hybrid_dp_cp_rank_groups
+from megatron_core.parallel_state.rank_generator import (
+    hierarchical_rank_groups,
+    hybrid_dp_cp_rank_groups,
+)
 
 __all__ = [
     "get_nccl_options",

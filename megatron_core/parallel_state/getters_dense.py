@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megatron_core.errors import MegatronCoreError
-from megatron_core.parallel_state import _state
+from megatron_core.parallel_state.state import _state
 
 __all__ = [
     # groups

@@ -4,7 +4,7 @@ A region's output is usually saved again by the op that consumes it (e.g. the ac
 by the next linear layer), so an ordinary checkpoint still keeps it. Here the output's storage is
 released after the consumer ran and refilled by recomputation from a gradient hook, before the
 consumer's backward reads it. RNG and autocast replay follow NOTE [ Checkpoint rules ], rule 2,
-in checkpointing.py.
+in entry_points.py.
 
 Usage (megatron-core's MLP)::
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.checkpoint_inputs import ForwardState, backward_through
+from megatron_core.tensor_parallel.recompute.saved_inputs import ForwardState, backward_through
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputFunction"]
 

@@ -3,7 +3,7 @@
 Every rank creates every group of every kind, in the same order, and keeps the ones it belongs
 to. The order follows megatron-core 0.16 where it matters: the data x context groups come first,
 because NCCL SHARP applies only to the first communicator created with NCCL_COLLNET_ENABLE=1.
-NCCL settings are applied only to NCCL groups (NOTE [ NCCL-only options ] in _process_groups.py).
+NCCL settings are applied only to NCCL groups (NOTE [ NCCL-only options ] in groups.py).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_core import device
-from megatron_core._process_groups import (
+from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state.groups import (
     cached_group,
     get_nccl_options,
     overwrite_nccl_comm_cfgs,
     validate_nccl_comm_cfgs,
 )
-from megatron_core.errors import MegatronCoreError
 
 __all__ = ["GroupOptions", "validated_options", "create_groups"]
 

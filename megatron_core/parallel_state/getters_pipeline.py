@@ -1,6 +1,6 @@
 """Megatron-compatible getters and setters for pipeline stages, virtual stages and embeddings.
 
-Re-exported by :mod:`megatron_core.parallel_state`; conventions as in _parallel_getters.py.
+Re-exported by :mod:`megatron_core.parallel_state`; conventions as in getters_dense.py.
 ``is_pipeline_first_stage`` and friends follow megatron-core 0.16: ``ignore_virtual`` defaults to
 True, and a caller that asks about virtual stages passes ``vp_stage`` (the model chunk) itself.
 """
@@ -12,7 +12,7 @@ import warnings
 import torch.distributed as dist
 
 from megatron_core.errors import MegatronCoreError
-from megatron_core.parallel_state import _state
+from megatron_core.parallel_state.state import _state
 
 __all__ = [
     "get_pipeline_model_parallel_group",

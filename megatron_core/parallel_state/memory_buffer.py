@@ -1,4 +1,8 @@
-"""Small shared helpers with megatron-core's names (``megatron.core.utils``)."""
+"""GlobalMemoryBuffer: the scratch buffers parallel_state hands out (``get_global_memory_buffer``).
+
+megatron-core defines it in ``megatron.core.utils``; ``megatron_core.utils`` re-exports it from
+here, so parallel_state does not import utils (which reads parallel_state).
+"""
 
 from __future__ import annotations
 

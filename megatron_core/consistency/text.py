@@ -1,4 +1,4 @@
-"""Readable text for megatron_core.consistency (private): group names, call sites, the values
+"""Readable text for the consistency checks (private): group names, call sites, the values
 each rank reports on the slow path, and the one message every rank raises.
 
 Everything here runs only after a disagreement was found, except :func:`describe_group` (also
@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 _SKIPPED_MODULES = (
-    "megatron_core.consistency",
-    "megatron_core._consistency_text",
-    "megatron_core.testing",
-    "megatron_core._testing_worker",
+    "megatron_core.consistency.checks",
+    "megatron_core.consistency.text",
+    "megatron_core.testing.harness",
+    "megatron_core.testing.worker",
 )
 
 

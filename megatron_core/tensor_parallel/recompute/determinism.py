@@ -1,7 +1,7 @@
 """The determinism check of a checkpoint's recompute: cheap tensor fingerprints and the error.
 
-NOTE [ Checkpoint rules ], rule 6 in checkpointing.py. Used by checkpoint_inputs.py (distributed
-inputs), checkpointing.py (reentrant outputs) and checkpoint_nonreentrant.py (saved tensors).
+NOTE [ Checkpoint rules ], rule 6 in entry_points.py. Used by saved_inputs.py (distributed
+inputs), entry_points.py (reentrant outputs) and nonreentrant.py (saved tensors).
 """
 
 from __future__ import annotations

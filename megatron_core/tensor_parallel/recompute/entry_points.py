@@ -7,8 +7,8 @@ CPU offload of the saved inputs, and a determinism check of the recompute.
 :class:`CheckpointWithoutOutput` and :func:`checkpoint_layer_stack` cover megatron-core's other
 recompute entry points. Also re-exported by ``tensor_parallel.random``, as in megatron-core.
 
-Files: this one (entry points, reentrant mode), checkpoint_inputs.py (what is kept, RNG and
-autocast replay, checksums), checkpoint_nonreentrant.py, checkpoint_without_output.py.
+Files: this one (entry points, reentrant mode), saved_inputs.py (what is kept, RNG and
+autocast replay, checksums), nonreentrant.py, without_output.py.
 
 # NOTE [ Checkpoint rules ]
 1. What is saved. Between forward and backward a checkpoint keeps its inputs, the forward's RNG
@@ -42,7 +42,7 @@ autocast replay, checksums), checkpoint_nonreentrant.py, checkpoint_without_outp
    tensor. The recompute must save the forward's tensors, same count, shapes and dtypes, else
    MegatronCoreError. A checkpoint nested in another keeps its inputs through the outer one's
    hooks, so the outer region's memory is still freed. Details: NOTE [ Non-reentrant
-   recompute ] in checkpoint_nonreentrant.py. The reentrant mode instead calls
+   recompute ] in nonreentrant.py. The reentrant mode instead calls
    ``torch.autograd.backward`` inside backward: it refuses ``torch.autograd.grad``, takes only
    positional inputs, and gives no gradient to parameters when no input requires grad (it
    warns, as torch does).
@@ -65,7 +65,11 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.checkpoint_inputs import (
+from megatron_core.tensor_parallel.recompute.nonreentrant import (
+    checkpoint_without_reentrant,
+    set_checkpoint_early_stop,
+)
+from megatron_core.tensor_parallel.recompute.saved_inputs import (
     CheckpointOptions,
     Distribute,
     ForwardState,
@@ -77,29 +81,11 @@ from megatron_core.tensor_parallel.checkpoint_inputs import (
     is_checkpointing,
     output_fingerprints,
 )
-from megatron_core.tensor_parallel.checkpoint_nonreentrant import (
-    checkpoint_without_reentrant,
-    set_checkpoint_early_stop,
-)
-from megatron_core.tensor_parallel.checkpoint_stacks import (
-    RecomputeMethod,
-    checkpoint_layer_stack,
-    checkpoint_sequential,
-)
-from megatron_core.tensor_parallel.checkpoint_without_output import (
-    CheckpointWithoutOutput,
-    CheckpointWithoutOutputFunction,
-)
 
 __all__ = [
     "checkpoint",
     "CheckpointFunction",
-    "CheckpointWithoutOutput",
-    "CheckpointWithoutOutputFunction",
     "Distribute",
-    "RecomputeMethod",
-    "checkpoint_layer_stack",
-    "checkpoint_sequential",
     "capture_saved_inputs",
     "is_checkpointing",
     "set_checkpoint_early_stop",
@@ -217,7 +203,7 @@ def checkpoint(
 
     megatron-core's ``checkpoint(function, distribute_saved_activations, *args)`` with its
     defaults; see NOTE [ Checkpoint rules ] in this file for every rule cited below, and
-    NOTE [ Non-reentrant recompute ] in checkpoint_nonreentrant.py for the non-reentrant mode.
+    NOTE [ Non-reentrant recompute ] in nonreentrant.py for the non-reentrant mode.
 
     Args:
         function: the region to recompute; returns a tensor or a tuple. Inside it, draw randomness

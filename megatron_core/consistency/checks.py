@@ -48,8 +48,6 @@ those, and :func:`collective_failed` turns torch's errors (that mismatch, a time
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -57,8 +55,13 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_core import _consistency_text as _text
-from megatron_core.errors import MegatronCoreError
+from megatron_core.consistency import text as _text
+from megatron_core.errors import CollectiveError, MegatronCoreError, RankDisagreementError
+from megatron_core.parallel_state.agreement import (
+    SLOTS as _SLOTS,  # NOTE [ Agree before acting ], 1
+)
+from megatron_core.parallel_state.agreement import exchange, exchange_text
+from megatron_core.parallel_state.agreement import hash_text as _hash_text
 
 describe_group = _text.describe_group  # public: "the tensor-model-parallel group (...)"
 
@@ -83,24 +86,11 @@ __all__ = [
 ]
 
 CHECK_ENV = "MEGATRON_CORE_CHECK_CONSISTENCY"
-_SLOTS = 16  # int64 values per rank in every exchange (NOTE [ Agree before acting ], rule 1)
 _MAX_DIMS = 8  # shape dimensions stored as such; more are hashed
 _FAILED_SLOT = 14  # [magic, op, dtype, ndim, 8 dims, more dims, args, failed, 0]
 _MAGIC = 0x4D435F4147524545  # "MC_AGREE": a rank in another exchange shows up as a mismatch
-# torch 2.13 renamed all_gather_into_tensor (the old name warns).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-
-
-class RankDisagreementError(MegatronCoreError):
-    """The ranks of a group disagreed (op, shape, dtype or arguments), or one of them failed a
-    check; raised with the same message on every rank of the group."""
-
-
-class CollectiveError(MegatronCoreError):
-    """A collective failed inside torch.distributed (timeout, dead peer, torch's own mismatch
-    check); the message names the op and the group, the torch error is the ``__cause__``."""
 
 
 # --- the switch ------------------------------------------------------------------------------
@@ -154,38 +144,10 @@ def check_mode(enabled: bool = True) -> Iterator[None]:
 # --- the exchange ----------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4096)
-def _hash_text(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
-
-
-def _buffer_device(group: dist.ProcessGroup) -> torch.device:
-    if dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    from megatron_core import device
-
-    return device.current_device()
-
-
 def _exchange(values: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather ``values`` (the same length on every rank) -> [group size, len] int64 (cpu)."""
-    local = torch.tensor(values, dtype=torch.int64, device=_buffer_device(group))
-    gathered = local.new_empty(dist.get_world_size(group) * len(values))
     with named_failures("the consistency check's all-gather", group):
-        _all_gather_single(gathered, local, group=group)
-    return gathered.view(-1, len(values)).cpu()
-
-
-def _exchange_text(text: str, group: dist.ProcessGroup) -> list[str]:
-    """Every rank's ``text`` (slow path: sizes first, then padded bytes; rule 1)."""
-    data = text.encode()
-    sizes = _exchange([len(data)] + [0] * (_SLOTS - 1), group)[:, 0].tolist()
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
-    gathered = padded.to(_buffer_device(group)).new_empty(len(sizes) * max(sizes))
-    _all_gather_single(gathered, padded.to(gathered.device), group=group)
-    rows = gathered.view(len(sizes), -1).cpu()
-    return [bytes(rows[r, : sizes[r]].tolist()).decode() for r in range(len(sizes))]
+        return exchange(values, group)
 
 
 def _descriptor(op, tensor, shape, dtype, args, failed: bool) -> list[int]:
@@ -242,7 +204,7 @@ def agree(
     if not failed and bool((table == table[0]).all()):
         return
     readable = json.dumps(_text.readable(op, tensor, shape, dtype, args, error))
-    per_rank = [json.loads(text) for text in _exchange_text(readable, group)]
+    per_rank = [json.loads(text) for text in exchange_text(readable, group)]
     raise RankDisagreementError(_text.message(op, group, per_rank)) from error
 
 

@@ -1,4 +1,4 @@
-"""Worker side of megatron_core.testing: the loop each spawned rank runs (private).
+"""Worker side of the multi-rank harness (harness.py): the loop each spawned rank runs (private).
 
 A worker initializes gloo through the file rendezvous, reports "ready", then runs tasks sent by
 the caller until it is told to stop, resetting per-process state after each task (see the module

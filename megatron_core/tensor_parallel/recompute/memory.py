@@ -2,7 +2,7 @@
 
 Example::
 
-    from megatron_core.tensor_parallel.memory import count_saved_activations
+    from megatron_core.tensor_parallel.recompute.memory import count_saved_activations
 
     with count_saved_activations(ignore=model.parameters()) as report:
         for i, layer in enumerate(layers):
@@ -60,7 +60,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.checkpointing import capture_saved_inputs
+from megatron_core.tensor_parallel.recompute.entry_points import capture_saved_inputs
 
 __all__ = ["SavedActivationReport", "count_saved_activations", "storage_key_and_nbytes"]
 

@@ -3,7 +3,7 @@
 With ``debug=True`` the non-reentrant checkpoint records every aten op of the forward and of
 each recompute (name, output shapes and dtypes) with a ``TorchDispatchMode``. When the recompute
 differs from the forward (NOTE [ Non-reentrant recompute ], rule 4 in
-checkpoint_nonreentrant.py), the error shows the first op where the two logs part, with a few
+nonreentrant.py), the error shows the first op where the two logs part, with a few
 ops of context from each side.
 """
 

@@ -1,7 +1,7 @@
 """Non-reentrant checkpoint: torch.autograd.graph.saved_tensors_hooks with distributed inputs.
 
 ``checkpoint(..., use_reentrant=False)`` lands here. See NOTE [ Checkpoint rules ] in
-checkpointing.py, rule 5 for the mechanism and NOTE [ Non-reentrant recompute ] below for how
+entry_points.py, rule 5 for the mechanism and NOTE [ Non-reentrant recompute ] below for how
 one recompute is run; rules 1-4 and 6 apply unchanged.
 
 # NOTE [ Non-reentrant recompute ]
@@ -24,7 +24,7 @@ one recompute is run; rules 1-4 and 6 apply unchanged.
    autocast, tracker forks (their ``finally``).
 4. Checks. Each tensor the recompute saves must match the forward's shape and dtype (values too
    with ``check_determinism``); more or fewer tensors is an error. With ``debug=True`` both runs
-   record their ops (``checkpoint_debug.py``) and the error shows the first op that differs.
+   record their ops (``debug.py``) and the error shows the first op that differs.
 5. Nesting. A region inside another keeps its inputs through the enclosing region's hooks
    (innermost pair on a thread-local stack), so they are recomputed with the outer region.
 6. ``context_fn`` returns (forward context, recompute context), entered around the function in
@@ -45,8 +45,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.checkpoint_debug import OpLog, first_difference
-from megatron_core.tensor_parallel.checkpoint_inputs import (
+from megatron_core.tensor_parallel.recompute.debug import OpLog, first_difference
+from megatron_core.tensor_parallel.recompute.saved_inputs import (
     CheckpointOptions,
     Fingerprint,
     ForwardState,

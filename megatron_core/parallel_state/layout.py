@@ -2,7 +2,7 @@
 
 Step one and two of set-up (validate -> layout -> create groups); no torch.distributed here, so
 every rank raises the same error for the same bad input before any collective runs. The grids
-follow NOTE [ Rank layout ] in megatron_core/rank_grid.py.
+follow NOTE [ Rank layout ] in megatron_core/parallel_state/__init__.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_core.errors import MegatronCoreError
-from megatron_core.rank_grid import (
+from megatron_core.parallel_state.rank_generator import (
     RankGenerator,
     default_embedding_ranks,
     default_position_embedding_ranks,
@@ -125,7 +125,9 @@ def validate_sizes(
         )
     sizes = ParallelSizes(world_size, tp, pp, cp, dp, ep, etp, expert_dp, order, n_opt)
     dense, expert = sizes.dense_grid(), sizes.expert_grid()  # validates the order string
-    if not (dense.order.endswith("pp") or pp == 1 or expert_dp == dp):
+    # The caller's order, as megatron-core checks it: the grids' normalized orders have the
+    # omitted size-1 axes appended ("tp-ep-dp-pp" becomes "tp-ep-dp-pp-cp").
+    if not (order.endswith("pp") or pp == 1 or expert_dp == dp):
         raise MegatronCoreError(
             f"order ({order!r}) does not end in 'pp', so with pipeline_model_parallel_size ({pp}) "
             f"> 1 the expert data parallel size ({expert_dp}) must equal the data parallel size "

@@ -1,6 +1,6 @@
 """Checkpointing a stack of layers: megatron-core's full-recompute methods and torch's
 ``checkpoint_sequential``. Both call :func:`checkpointing.checkpoint` per region; every rule of
-NOTE [ Checkpoint rules ] in checkpointing.py applies to each region.
+NOTE [ Checkpoint rules ] in entry_points.py applies to each region.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.recompute.entry_points import checkpoint
 
 __all__ = ["RecomputeMethod", "checkpoint_layer_stack", "checkpoint_sequential"]
 
@@ -76,8 +77,6 @@ def checkpoint_layer_stack(
         regions = [(start, start + size, True) for start in range(0, len(layers), size)]
     else:
         regions = [(i, i + 1, i < recompute_num_layers) for i in range(len(layers))]
-    from megatron_core.tensor_parallel.checkpointing import checkpoint  # imports this module
-
     for start, end, recompute in regions:
         run = _run_layers(layers[start:end])
         if recompute:
@@ -132,8 +131,6 @@ def checkpoint_sequential(
         MegatronCoreError: ``segments`` out of range (before anything runs), or any error of
             :func:`checkpoint`.
     """
-    from megatron_core.tensor_parallel.checkpointing import checkpoint  # imports this module
-
     if isinstance(functions, torch.nn.Sequential):
         functions = list(functions.children())
     functions = list(functions)

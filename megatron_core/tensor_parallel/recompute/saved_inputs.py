@@ -1,9 +1,9 @@
 """What a checkpoint keeps between forward and backward: inputs and RNG/autocast state.
 
-Shared by the reentrant checkpoint (checkpointing.py), the non-reentrant one
-(checkpoint_nonreentrant.py) and CheckpointWithoutOutput (checkpoint_without_output.py). The rules
-are NOTE [ Checkpoint rules ] in checkpointing.py. The checksums of the determinism check live in
-checkpoint_determinism.py (re-exported here).
+Shared by the reentrant checkpoint (entry_points.py), the non-reentrant one
+(nonreentrant.py) and CheckpointWithoutOutput (without_output.py). The rules
+are NOTE [ Checkpoint rules ] in entry_points.py. The checksums of the determinism check live in
+determinism.py (re-exported here).
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ import torch.distributed as dist
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.checkpoint_determinism import (  # noqa: F401 (re-exports)
+from megatron_core.tensor_parallel.random import (
+    RNGSnapshot,
+    get_cuda_rng_tracker,
+    get_rng_snapshot,
+    set_rng_snapshot,
+)
+from megatron_core.tensor_parallel.recompute.determinism import (  # noqa: F401 (re-exports)
     DETERMINISM_RTOL,
     Fingerprint,
     check_outputs,
     determinism_error,
     output_fingerprints,
     tensor_name,
-)
-from megatron_core.tensor_parallel.random import (
-    RNGSnapshot,
-    get_cuda_rng_tracker,
-    get_rng_snapshot,
-    set_rng_snapshot,
 )
 from megatron_core.tensor_parallel.utils import (
     gather_split_1d_tensor,

@@ -1,6 +1,6 @@
 """Megatron-compatible getters and setters for expert parallelism and distributed-optimizer groups.
 
-Re-exported by :mod:`megatron_core.parallel_state`; conventions as in _parallel_getters.py. Expert
+Re-exported by :mod:`megatron_core.parallel_state`; conventions as in getters_dense.py. Expert
 groups come from the expert grid (NOTE [ Rank layout ], rule 4): expert tensor parallel (etp),
 expert model parallel (ep), expert data parallel (world / (etp * ep * pp), context folded in).
 """
@@ -12,7 +12,13 @@ import warnings
 import torch.distributed as dist
 
 from megatron_core.errors import MegatronCoreError
-from megatron_core.parallel_state import _state
+from megatron_core.parallel_state.getters_dense import (
+    get_context_parallel_rank,
+    get_data_parallel_rank,
+    get_tensor_model_parallel_rank,
+)
+from megatron_core.parallel_state.getters_pipeline import get_pipeline_model_parallel_rank
+from megatron_core.parallel_state.state import _state
 
 __all__ = [
     "get_expert_model_parallel_group",
@@ -213,13 +219,11 @@ def get_inter_distributed_optimizer_instance_group(check_initialized=True):
 
 def get_all_ranks():
     """ "tp_dp_cp_pp_ep": this rank's index in each of those groups, joined by '_'."""
-    from megatron_core import parallel_state as ps
-
     ranks = [
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_data_parallel_rank(),
-        ps.get_context_parallel_rank(),
-        ps.get_pipeline_model_parallel_rank(),
+        get_tensor_model_parallel_rank(),
+        get_data_parallel_rank(),
+        get_context_parallel_rank(),
+        get_pipeline_model_parallel_rank(),
         get_expert_model_parallel_rank(),
     ]
     return "_".join(str(r or 0) for r in ranks)

@@ -1,0 +1,102 @@
+"""Agree over a group before acting: the fixed-size exchange and the arguments of set-up.
+
+Every rank of a group enters the same :func:`exchange` (an all-gather whose size is fixed by the
+group size and the slot count alone, never by the data), so the exchange itself cannot mismatch.
+Readable, data-sized texts travel only afterwards, through :func:`exchange_text`, when every rank
+has seen the same table and decided alike to send them. megatron_core.consistency builds its
+collective checks on these two primitives (NOTE [ Agree before acting ] in consistency/checks.py);
+:func:`agree_on_arguments` is the step of ``initialize_model_parallel`` that makes a rank whose
+arguments differ, or whose validation failed alone, raise on every rank instead of leaving its
+peers waiting in ``new_group``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import device
+from megatron_core.errors import CollectiveError, RankDisagreementError
+
+__all__ = ["SLOTS", "hash_text", "exchange", "exchange_text", "agree_on_arguments"]
+
+SLOTS = 16  # int64 values per rank in every exchange
+_ARGUMENTS_MAGIC = 0x4D435F494E495431  # "MC_INIT1": a rank in another exchange shows as a mismatch
+# torch 2.13 renamed all_gather_into_tensor (the old name warns).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@functools.lru_cache(maxsize=4096)
+def hash_text(text: str) -> int:
+    """A stable non-negative 63-bit hash of ``text`` (the same on every rank and every run)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _buffer_device(group: dist.ProcessGroup) -> torch.device:
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else device.current_device()
+
+
+def exchange(values: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather ``values`` (the same length on every rank) over ``group``.
+
+    Returns:
+        An int64 CPU tensor [group size, len(values)]: row i holds rank i's values.
+    """
+    local = torch.tensor(values, dtype=torch.int64, device=_buffer_device(group))
+    gathered = local.new_empty(dist.get_world_size(group) * len(values))
+    _all_gather_single(gathered, local, group=group)
+    return gathered.view(-1, len(values)).cpu()
+
+
+def exchange_text(text: str, group: dist.ProcessGroup) -> list[str]:
+    """Every rank's ``text``, index = group rank: the byte sizes first (one :func:`exchange`),
+    then the UTF-8 bytes padded to the longest. Every rank of ``group`` must call it."""
+    data = text.encode()
+    sizes = exchange([len(data)] + [0] * (SLOTS - 1), group)[:, 0].tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
+    gathered = padded.to(_buffer_device(group)).new_empty(len(sizes) * max(sizes))
+    _all_gather_single(gathered, padded.to(gathered.device), group=group)
+    rows = gathered.view(len(sizes), -1).cpu()
+    return [bytes(rows[r, : sizes[r]].tolist()).decode() for r in range(len(sizes))]
+
+
+def agree_on_arguments(op: str, arguments: dict[str, str]) -> None:
+    """Make every rank of WORLD agree on ``arguments`` (name -> readable value), or raise.
+
+    One :func:`exchange` of a digest per rank; only when the digests differ do the readable
+    values travel. Every rank sees the same table, so every rank returns or every rank raises
+    the same error.
+
+    Raises:
+        RankDisagreementError: on every rank, naming each argument whose value differs and each
+            rank's value of it.
+        CollectiveError: the exchange itself failed in torch.distributed (a dead peer, a timeout).
+    """
+    world = dist.group.WORLD
+    if dist.get_world_size(world) == 1:
+        return
+    digest = hash_text(repr(sorted(arguments.items())))
+    try:
+        table = exchange([_ARGUMENTS_MAGIC, hash_text(op), digest] + [0] * (SLOTS - 3), world)
+        if bool((table == table[0]).all()):
+            return
+        per_rank = [json.loads(t) for t in exchange_text(json.dumps(arguments), world)]
+    except RuntimeError as exc:
+        raise CollectiveError(f"{op}: agreeing on the arguments over WORLD failed: {exc}") from exc
+    names = list(dict.fromkeys(name for values in per_rank for name in values))
+    parts = [
+        f"{name}: "
+        + ", ".join(f"rank {r} = {values.get(name, '-')}" for r, values in enumerate(per_rank))
+        for name in names
+        if len({values.get(name, "-") for values in per_rank}) > 1
+    ]
+    raise RankDisagreementError(
+        f"{op}: the ranks of the default (WORLD) group (global ranks "
+        f"{list(range(len(per_rank)))}) were called with different arguments (every rank raises "
+        "this error): " + ("; ".join(parts) or "an argument hash")
+    )
