@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.utils import make_viewless_tensor
 
 __all__ = [
     "is_pp_first_stage",
@@ -101,26 +102,10 @@ def get_pp_prev_rank(pp_group) -> int | None:
     return dist.get_process_group_ranks(pp_group)[_rank(pp_group) - 1]
 
 
-class _Viewless(torch.autograd.Function):
-    """Identity whose output owns a fresh tensor object over the same storage (not a view)."""
-
-    @staticmethod
-    def forward(ctx, inp):
-        out = torch.empty((1,), dtype=inp.dtype, device=inp.device)
-        out.data = inp.data
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 def make_viewless(e: torch.Tensor) -> torch.Tensor:
     """``e`` itself when it is not a view; else a tensor with the same data and shape whose
     ``_base`` is None, still connected to ``e``'s graph (so deallocating it frees memory)."""
-    if e._base is None:
-        return e
-    return _Viewless.apply(e)
+    return make_viewless_tensor(e, requires_grad=e.requires_grad, keep_graph=True)
 
 
 class NoopScheduleNode:
