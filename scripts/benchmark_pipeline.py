@@ -305,19 +305,27 @@ def _plot(rows, path: str) -> None:
     import matplotlib.pyplot as plt
 
     cases = list(dict.fromkeys((pp, m) for pp, _, m, *_ in rows))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.25
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    width = 0.8 / len(SCHEDULES)
     for j, name in enumerate(SCHEDULES):
-        xs = [i + (j - 1) * width for i in range(len(cases))]
+        xs = [i + (j - (len(SCHEDULES) - 1) / 2) * width for i in range(len(cases))]
         measured = [r[5] for r in rows if r[4] == name]
         theory = [r[7] for r in rows if r[4] == name]
-        ax.bar(xs, measured, width, label=f"{name} (measured)")
-        ax.scatter(xs, theory, marker="_", s=400, color="black", zorder=3)
-    ax.scatter([], [], marker="_", s=400, color="black", label="theory")
-    ax.set_xticks(range(len(cases)), [f"pp={pp}, m={m}" for pp, m in cases])
+        ax.bar(xs, measured, width * 0.95, label=f"{name} (measured)")
+        ax.scatter(xs, theory, marker="_", s=300, color="black", zorder=3)
+    ax.scatter([], [], marker="_", s=300, color="black", label="theory")
+    groups = {(pp, m): g for pp, _, m, g, *_ in rows if g}
+    ax.set_xticks(
+        range(len(cases)),
+        [
+            f"pp={pp}, m={m}" + (f", group {groups[pp, m]}" if (pp, m) in groups else "")
+            for pp, m in cases
+        ],
+    )
     ax.set_ylabel("idle share of the step")
     ax.set_title("Pipeline idle share, fixed-time chunks (interleaved: vp=2)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.set_ylim(0, max(r[5] for r in rows) * 1.35)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
