@@ -20,7 +20,7 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)" \
 		$(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -e ".[test,dev]"
+	$(PY) -m pip install -e ".[test,dev,megatron]"
 	touch $@
 
 train: $(VENV)/.installed

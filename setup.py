@@ -18,5 +18,14 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2", "numpy"],  # numpy: all_gather_object
         "dev": ["ruff>=0.4"],
         "plot": ["matplotlib>=3.5", "numpy"],
+        # megatron-core's own model code on this core (megatron_core.megatron, the switch). Its
+        # base needs are torch, numpy and packaging; psutil is what its dist_checkpointing save
+        # needs at run time without declaring it.
+        "megatron": ["megatron-core==0.16.1", "numpy", "packaging", "psutil"],
+    },
+    entry_points={
+        # Loaded by pytest everywhere; it does nothing unless --megatron-core-switch or
+        # MEGATRON_CORE_SWITCH=1 asks for the switch (megatron_core/megatron/pytest_plugin.py).
+        "pytest11": ["megatron_core_switch = megatron_core.megatron.pytest_plugin"],
     },
 )

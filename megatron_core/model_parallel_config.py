@@ -27,6 +27,13 @@ Fields for Transformer Engine features (``tp_comm_*`` userbuffer overlap, ``use_
 documented as having no effect here. ``async_tensor_model_parallel_allreduce`` and
 ``moe_extended_tp`` are ignored, as in megatron-core.
 
+megatron-core 0.17-0.19's fields follow, after all of 0.16.1's (which keep its positional order):
+``tensor_parallel_num_weight_shards`` / ``expert_tensor_parallel_num_weight_shards`` resolve
+``gtp_weight_remat_size`` / ``expert_gtp_weight_remat_size`` as 0.19 does, and a remat size above
+1 (generalized tensor parallelism, not implemented here) raises ``ConfigError`` naming the field;
+``moe_grad_scale_func``, ``mtp_grad_scale_func``, ``overlap_dispatch_backward_with_experts_wgrad``
+and ``cpu_offloading_retain_pinned_cpu_buffers`` are carried for megatron-core's model code.
+
 One deliberate difference: megatron-core raises for ``sequence_parallel=True`` with
 ``tensor_model_parallel_size=1``; here sequence parallelism is switched off with a warning (it is
 a no-op on one rank), as megatron-core's layers themselves do for a one-rank group.
@@ -44,7 +51,13 @@ import torch
 
 from megatron_core.errors import ConfigError
 
-__all__ = ["ModelParallelConfig", "ConfigError"]
+__all__ = [
+    "ModelParallelConfig",
+    "ConfigError",
+    "resolve_tensor_parallel_weight_shards",
+    # extension: the one refusal of generalized TP (0.19), used wherever its options appear
+    "check_gtp_size",
+]
 
 _SIZE_FIELDS = (
     "tensor_model_parallel_size",
@@ -57,6 +70,61 @@ _CHOICES = {
     "cross_entropy_fusion_impl": ("native", "te"),
     "tp_comm_bootstrap_backend": ("nccl", "mpi", "gloo"),
 }
+
+
+def check_gtp_size(option: str, value) -> None:
+    """The one refusal of generalized tensor parallelism (megatron-core 0.19's weight
+    rematerialization, where each weight is sharded again over a "gtp remat" group and
+    re-gathered around every use): every option naming a remat size accepts 1 (off, 0.19's
+    default); anything else raises here, before any collective. ``option`` names the argument.
+
+    Raises:
+        ConfigError: ``value`` is not 1, e.g. ``gtp_remat_size (2) > 1: generalized tensor
+            parallelism ... is not implemented``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{option} ({value!r}) must be a positive int (1: no weight remat)")
+    if value != 1:
+        raise ConfigError(
+            f"{option} ({value}) > 1: generalized tensor parallelism (megatron-core 0.19's "
+            "weight rematerialization) is not implemented in megatron_core; use 1"
+        )
+
+
+def resolve_tensor_parallel_weight_shards(
+    tensor_model_parallel_size: int,
+    tensor_parallel_num_weight_shards: int | None,
+    gtp_weight_remat_size: int,
+    shards_field: str = "tensor_parallel_num_weight_shards",
+    tp_field: str = "tensor_model_parallel_size",
+) -> tuple[int, int]:
+    """Reconcile the number of weight shards with the generalized-TP remat size (0.19).
+
+    The shards are ``tensor_model_parallel_size * gtp_weight_remat_size``; when
+    ``tensor_parallel_num_weight_shards`` is given it decides the remat size, else it is computed
+    from it. Idempotent.
+
+    Args:
+        tensor_model_parallel_size: the (expert) tensor-parallel size.
+        tensor_parallel_num_weight_shards: total shards per weight, or None.
+        gtp_weight_remat_size: the remat size used when the shards are None.
+        shards_field / tp_field: the names the error message uses.
+
+    Returns:
+        ``(tensor_parallel_num_weight_shards, gtp_weight_remat_size)``.
+
+    Raises:
+        ConfigError: the shards are fewer than, or not a multiple of, the TP size.
+    """
+    tp = tensor_model_parallel_size
+    if tensor_parallel_num_weight_shards is None:
+        return tp * gtp_weight_remat_size, gtp_weight_remat_size
+    if tensor_parallel_num_weight_shards < tp or tensor_parallel_num_weight_shards % tp:
+        raise ConfigError(
+            f"{shards_field} ({tensor_parallel_num_weight_shards}) must be a multiple of "
+            f"{tp_field} ({tp}), at least 1x"
+        )
+    return tensor_parallel_num_weight_shards, tensor_parallel_num_weight_shards // tp
 
 
 @dataclass
@@ -175,6 +243,16 @@ class ModelParallelConfig:
     # Timing.
     barrier_with_L1_time: bool = True
 
+    # megatron-core 0.17-0.19 fields, after all of 0.16.1's so its positional order holds.
+    tensor_parallel_num_weight_shards: int | None = None
+    gtp_weight_remat_size: int = 1
+    expert_tensor_parallel_num_weight_shards: int | None = None
+    expert_gtp_weight_remat_size: int = 1
+    moe_grad_scale_func: Callable | None = None
+    mtp_grad_scale_func: Callable | None = None
+    overlap_dispatch_backward_with_experts_wgrad: bool = False
+    cpu_offloading_retain_pinned_cpu_buffers: bool = False
+
     def __post_init__(self) -> None:
         self._check_values()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
@@ -185,6 +263,7 @@ class ModelParallelConfig:
             )
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        self._resolve_weight_shards()
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             raise ConfigError(
                 f"ModelParallelConfig: pipeline_model_parallel_size "
@@ -245,6 +324,29 @@ class ModelParallelConfig:
                     f"ModelParallelConfig: {name} ({getattr(self, name)!r}) must be one of "
                     f"{choices}"
                 )
+
+    def _resolve_weight_shards(self) -> None:
+        """0.19's ``*_num_weight_shards`` -> ``*_gtp_weight_remat_size``; a remat size above 1
+        (generalized TP) raises, as it is not implemented here."""
+        for prefix, tp_field in (
+            ("", "tensor_model_parallel_size"),
+            ("expert_", "expert_tensor_parallel_size"),
+        ):
+            shards_field = f"{prefix}tensor_parallel_num_weight_shards"
+            remat_field = f"{prefix}gtp_weight_remat_size"
+            shards = getattr(self, shards_field)
+            _, remat = resolve_tensor_parallel_weight_shards(
+                getattr(self, tp_field),
+                shards,
+                getattr(self, remat_field),
+                shards_field=f"ModelParallelConfig: {shards_field}",
+                tp_field=tp_field,
+            )
+            option = f"ModelParallelConfig: {remat_field}"
+            if shards is not None:
+                option += f" ({shards_field} {shards} / {tp_field} {getattr(self, tp_field)})"
+            check_gtp_size(option, remat)
+            setattr(self, remat_field, remat)
 
     def _check_wgrad_deferral(self) -> None:
         if not self.defer_embedding_wgrad_compute:

@@ -14,7 +14,11 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state as ps
 
-__all__ = ["ProcessGroupHelperMeta", "ProcessGroupCollection"]
+__all__ = [
+    "ProcessGroupHelperMeta",
+    "ProcessGroupCollection",
+    "MultiModuleProcessGroupCollection",
+]
 
 
 class ProcessGroupHelperMeta(type):
@@ -58,6 +62,12 @@ class ProcessGroupCollection:
         intra_dp_cp / intra_expt_dp: this distributed-optimizer instance's part of dp_cp / expt_dp.
         inter_dist_opt: across distributed-optimizer instances. intra_dist_opt: all ranks of this
             instance.
+        megatron-core 0.19's: dp_cp_ag / expt_dp_ag: all-gather groups over dp_cp's / expt_dp's
+            ranks on their own communicators (from parallel_state.create_all_gather_groups; None
+            from use_mpu_process_groups, as there). gtp_remat / expt_gtp_remat: the weight-remat
+            groups (one rank each: generalized TP is not implemented); dp_cp_gtp_remat,
+            expt_dp_gtp_remat, tp_ep_pp_with_egtp_remat: dp_cp, expt_dp, tp_ep_pp with the remat
+            ranks merged in (the same groups at remat size 1).
 
     Example::
 
@@ -86,6 +96,14 @@ class ProcessGroupCollection:
     intra_expt_dp: dist.ProcessGroup = field(init=False)
     inter_dist_opt: dist.ProcessGroup = field(init=False)
     intra_dist_opt: dist.ProcessGroup = field(init=False)
+    # megatron-core 0.19
+    tp_ep_pp_with_egtp_remat: dist.ProcessGroup = field(init=False)
+    dp_cp_gtp_remat: dist.ProcessGroup = field(init=False)
+    dp_cp_ag: dist.ProcessGroup = field(init=False)
+    gtp_remat: dist.ProcessGroup = field(init=False)
+    expt_gtp_remat: dist.ProcessGroup = field(init=False)
+    expt_dp_gtp_remat: dist.ProcessGroup = field(init=False)
+    expt_dp_ag: dist.ProcessGroup = field(init=False)
 
     def __init__(self, **kwargs):
         """Set the given groups; an unknown name raises ValueError (as megatron-core does)."""
@@ -143,13 +161,36 @@ class ProcessGroupCollection:
             "expt_dp": ps.get_expert_data_parallel_group,
             "tp_dp_cp": partial(ps.get_tensor_and_data_parallel_group, with_context_parallel=True),
         }
+        unchecked.update(
+            tp_ep_pp_with_egtp_remat=partial(
+                ps.get_expert_tensor_model_pipeline_parallel_group, with_egtp_remat=True
+            ),
+            expt_dp_gtp_remat=ps.get_expert_data_parallel_group,
+            gtp_remat=ps.get_gtp_weight_remat_group,
+            expt_gtp_remat=ps.get_expert_gtp_weight_remat_group,
+        )
         getters = {name: partial(get, check_initialized=False) for name, get in unchecked.items()}
+        getters["dp_cp_gtp_remat"] = partial(ps.get_data_parallel_group, with_context_parallel=True)
+        getters["dp_cp_ag"] = getters["expt_dp_ag"] = lambda: None  # create_all_gather_groups
         getters["dp"] = ps.get_data_parallel_group
         getters["dp_cp"] = partial(ps.get_data_parallel_group, with_context_parallel=True)
         getters["intra_dp_cp"] = partial(
             ps.get_data_parallel_group, with_context_parallel=True, partial_data_parallel=True
         )
         return cls(**{name: getters[name]() for name in required_pgs})
+
+    @staticmethod
+    def is_gtp_remat_active(process_group_dict: dict) -> bool:
+        """True if the ``gtp_remat_group`` or ``expt_gtp_remat_group`` of a dict from the
+        ``setup_process_groups_for_*`` builders spans more than one rank (never here, where
+        generalized TP is not implemented; megatron-core 0.19)."""
+        return any(
+            group is not None and group.size() > 1
+            for group in (
+                process_group_dict.get("gtp_remat_group"),
+                process_group_dict.get("expt_gtp_remat_group"),
+            )
+        )
 
     @staticmethod
     def setup_process_groups_for_optimizer(
@@ -167,7 +208,8 @@ class ProcessGroupCollection:
             dict with dp_group, dp_cp_group, intra_dp_cp_group, expt_dp_group,
             intra_expt_dp_group, mp_group, expt_tp_pp_group, inter_dist_opt_group,
             intra_dist_opt_group, intra_dp_cp_group_gloo, intra_expt_dp_group_gloo (None where
-            not used).
+            not used); megatron-core 0.19's gtp_remat_group, expt_gtp_remat_group and
+            expt_tp_pp_with_egtp_remat_group (expt_tp_pp_group at remat size 1).
 
         Raises:
             ValueError: a group the configuration needs is missing from ``pg_collection``, or
@@ -195,6 +237,7 @@ class ProcessGroupCollection:
             )
             for key in ("tp_group", "pp_group", "ep_group"):
                 groups.pop(key)
+            groups["expt_tp_pp_with_egtp_remat_group"] = groups["expt_tp_pp_group"]
             return groups
         cp_size = getattr(getattr(model_chunks[0], "config", None), "context_parallel_size", 1)
         groups = {"dp_group": _required(pg_collection, "dp")}
@@ -213,6 +256,10 @@ class ProcessGroupCollection:
                 "Please set use_gloo_process_groups to False."
             )
         groups.update(intra_dp_cp_group_gloo=None, intra_expt_dp_group_gloo=None)
+        groups["expt_tp_pp_with_egtp_remat_group"] = getattr(
+            pg_collection, "tp_ep_pp_with_egtp_remat", groups["expt_tp_pp_group"]
+        )
+        groups.update(_gtp_groups(pg_collection))
         return groups
 
     @staticmethod
@@ -224,8 +271,9 @@ class ProcessGroupCollection:
         Returns:
             dict with dp_group, dp_cp_group, intra_dp_cp_group, expt_dp_group,
             intra_expt_dp_group, tp_group, pp_group, ep_group, inter_dist_opt_group and (from
-            parallel_state) intra_dist_opt_group. Without an expt_dp group in ``pg_collection``,
-            expt_dp_group is a new one-rank group of this rank.
+            parallel_state) intra_dist_opt_group, and 0.19's gtp_remat_group /
+            expt_gtp_remat_group. Without an expt_dp group in ``pg_collection``, expt_dp_group is
+            a new one-rank group of this rank.
         """
         if pg_collection is None:
             return _ddp_groups_from_parallel_state(ddp_config)
@@ -240,6 +288,7 @@ class ProcessGroupCollection:
         groups.update(_partial_groups(pg_collection, groups, ddp_config, instances))
         for name in ("tp", "pp", "ep"):
             groups[f"{name}_group"] = _required(pg_collection, name, "tp, pp and ep are required")
+        groups.update(_gtp_groups(pg_collection))
         return groups
 
 
@@ -278,6 +327,19 @@ def _partial_groups(pgs: ProcessGroupCollection, groups: dict, ddp_config, insta
     }
 
 
+def _gtp_groups(pgs: ProcessGroupCollection | None) -> dict:
+    """megatron-core 0.19's weight-remat groups of a builder's dict (None where not given)."""
+    if pgs is None:
+        return {
+            "gtp_remat_group": ps.get_gtp_weight_remat_group(check_initialized=False),
+            "expt_gtp_remat_group": ps.get_expert_gtp_weight_remat_group(check_initialized=False),
+        }
+    return {
+        "gtp_remat_group": getattr(pgs, "gtp_remat", None),
+        "expt_gtp_remat_group": getattr(pgs, "expt_gtp_remat", None),
+    }
+
+
 def _ddp_groups_from_parallel_state(ddp_config) -> dict:
     instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
     use_dist_opt = getattr(ddp_config, "use_distributed_optimizer", False)
@@ -296,4 +358,92 @@ def _ddp_groups_from_parallel_state(ddp_config) -> dict:
         "intra_dist_opt_group": (
             ps.get_intra_distributed_optimizer_instance_group() if use_dist_opt else None
         ),
+        **_gtp_groups(None),
     }
+
+
+@dataclass
+class MultiModuleProcessGroupCollection:
+    """Module name -> ProcessGroupCollection, with dict-like access and the language model's.
+
+    Attributes:
+        module_pgs: module name -> its ProcessGroupCollection (at least one).
+        language_model_module_name: the key of the language model, or None when this rank
+            holds none (its cp size is what loss and data code ask for).
+
+    Example::
+
+        pgs = MultiModuleProcessGroupCollection(
+            module_pgs={"vision": vision_pgs, "llm": llm_pgs}, language_model_module_name="llm"
+        )
+        pgs["vision"].tp, pgs.get_language_model_cp_size(), list(pgs.keys())
+
+    Raises:
+        ValueError: ``module_pgs`` is empty or lacks ``language_model_module_name``.
+    """
+
+    module_pgs: dict[str, ProcessGroupCollection]
+    language_model_module_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.module_pgs:
+            raise ValueError("MultiModuleProcessGroupCollection: module_pgs ({}) is empty")
+        name = self.language_model_module_name
+        if name is not None and name not in self.module_pgs:
+            raise ValueError(
+                f"MultiModuleProcessGroupCollection: language_model_module_name ({name!r}) is "
+                f"not one of the modules {list(self.module_pgs)}"
+            )
+
+    def get_language_model_collection(self):
+        """The language model's ProcessGroupCollection (ValueError if there is none)."""
+        if self.language_model_module_name is None:
+            raise ValueError(
+                "MultiModuleProcessGroupCollection: no language model on this rank "
+                f"(modules: {list(self.module_pgs)})"
+            )
+        return self.module_pgs[self.language_model_module_name]
+
+    def get_language_model_cp_size(self) -> int:
+        """The size of the language model's context-parallel group (its ``cp``)."""
+        return self.get_language_model_collection().cp.size()
+
+    def has_language_model(self) -> bool:
+        """True if this rank holds the language model."""
+        return self.language_model_module_name is not None
+
+    def get_module_collection(self, module_name: str):
+        """The ProcessGroupCollection of ``module_name`` (ValueError naming the known ones)."""
+        if module_name not in self.module_pgs:
+            raise ValueError(
+                f"MultiModuleProcessGroupCollection: no module {module_name!r}; modules: "
+                f"{list(self.module_pgs)}"
+            )
+        return self.module_pgs[module_name]
+
+    def __len__(self) -> int:
+        return len(self.module_pgs)
+
+    def __getitem__(self, module_name: str):
+        return self.module_pgs[module_name]
+
+    def __iter__(self):
+        """Iterates over the collections (not the names), as megatron-core does."""
+        return iter(self.module_pgs.values())
+
+    def keys(self):
+        """The module names."""
+        return self.module_pgs.keys()
+
+    def values(self):
+        """The ProcessGroupCollections."""
+        return self.module_pgs.values()
+
+    def items(self):
+        """(module name, ProcessGroupCollection) pairs."""
+        return self.module_pgs.items()
+
+    def __repr__(self) -> str:
+        lm = self.language_model_module_name
+        lm_text = f", language_model_module_name={lm!r}" if lm else ""
+        return f"MultiModuleProcessGroupCollection(modules=[{', '.join(self.module_pgs)}]{lm_text})"

@@ -12,7 +12,8 @@ For each message size, rank 0 prints the median over ``--reps`` interleaved repe
 time of one ``reduce_from_tensor_model_parallel_region`` (an all-reduce over the TP group) in
 three set-ups, and the ratios to the first:
 
-* off: check mode off (the default) -- the hook costs one ``is_enabled()`` test;
+* off: every check off (``set_enabled(False)``) -- the hook costs one mode test (the default
+  mode, after its window, costs about the same: scripts/benchmark_check_window.py);
 * check: check mode on -- one extra all-gather of 16 int64 per rank before the all-reduce;
 * torch DETAIL: check mode off, on a group created under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
   (torch's ProcessGroupWrapper compares a fingerprint of every collective through its own gloo

@@ -1,23 +1,32 @@
-"""Write the megatron-core 0.16.1 API manifest that tests/test_compat.py checks us against.
+"""Write a megatron-core API manifest that tests/test_compat.py checks this package against.
 
-The manifest lists, as data, the public surface a megatron-core user touches:
+A manifest lists, as data, the public surface of every megatron-core module this package claims
+(the modules the megatron switch serves from here):
 
-- every public top-level function and class of ``megatron/core/parallel_state.py``;
-- every name ``megatron/core/tensor_parallel/__init__.py`` imports, plus a few names users import
-  from the submodules (``EXTRA_TENSOR_PARALLEL`` below);
+- ``parallel_state``, ``model_parallel_config``, ``process_groups_config``, ``hyper_comm_grid``,
+  ``enums`` and ``distributed.finalize_model_grads``: every public top-level function and class;
+- ``tensor_parallel`` and ``pipeline_parallel``: every name the package ``__init__`` imports, and
+  every public top-level function and class of each submodule (except those in ``EXCLUDED``);
+- ``utils``: the helpers ``UTILS_HELPERS`` names (the ones the claimed modules import; the rest
+  of megatron-core's ``utils`` stays megatron-core's);
 - every field of ``ModelParallelConfig`` with its default, in declaration order.
 
-For a function it records the parameters (name, kind, default as source text); for a class its
-``__init__``, ``forward`` and public methods. The wheel is read with :mod:`ast` only: megatron-core
-is never imported, so this runs without its dependencies.
+A function is recorded with its parameters (name, kind, default as source text); a class with
+its ``__init__``, ``forward`` and public methods, its properties, its annotated fields (with
+defaults) and, for an enum, its members. The wheel is read with :mod:`ast` only: megatron-core is
+never imported, so this runs without its dependencies and for any Python version's wheel.
 
 Usage::
 
-    pip download --no-deps megatron-core==0.16.1 -d /tmp/mcore
-    python scripts/make_megatron_core_manifest.py /tmp/mcore/megatron_core-0.16.1-*.whl \\
-        [-o tests/data/megatron_core_0_16_1_api.json]
+    pip download --no-deps --only-binary=:all: -d /tmp/mc016 megatron-core==0.16.1
+    python scripts/make_megatron_core_manifest.py /tmp/mc016/megatron_core-0.16.1-*.whl
+    pip download --no-deps --only-binary=:all: --python-version 3.12 -d /tmp/mc019 \\
+        megatron-core==0.19.2
+    python scripts/make_megatron_core_manifest.py /tmp/mc019/megatron_core-0.19.2-*.whl
 
-The path may also be a directory holding an unpacked ``megatron/core`` tree.
+The output defaults to ``tests/data/megatron_core_<version>_api.json`` (dots as underscores), the
+version read from the wheel's ``package_info.py``. The path may also be a directory holding an
+unpacked ``megatron/core`` tree.
 """
 
 from __future__ import annotations
@@ -29,30 +38,58 @@ import sys
 import zipfile
 from pathlib import Path
 
-DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "tests/data/megatron_core_0_16_1_api.json"
+DATA_DIR = Path(__file__).resolve().parent.parent / "tests/data"
 
-# Names megatron-core users import from tensor_parallel's submodules (not re-exported by its
-# __init__), as "module.Name".
-EXTRA_TENSOR_PARALLEL = (
-    "cross_entropy.VocabParallelCrossEntropy",
-    "layers.LinearWithFrozenWeight",
-    "layers.linear_with_frozen_weight",
-    "layers.LinearWithGradAccumulationAndAsyncCommunication",
-    "mappings.all_to_all_sp2hp",
-    "mappings.all_to_all_hp2sp",
-    "utils.VocabUtility",
-    "random.CudaRNGStatesTracker",
-    "random.initialize_rng_tracker",
-    "random.get_all_rng_states",
-    "random.is_checkpointing",
-    "random.CheckpointWithoutOutputFunction",
+# Modules read in full (public top-level functions and classes), by dotted name under megatron.core.
+WHOLE_MODULES = (
+    "parallel_state",
+    "model_parallel_config",
+    "process_groups_config",
+    "hyper_comm_grid",
+    "enums",
+    "distributed.finalize_model_grads",
 )
 
-_KINDS = {
-    "posonlyargs": "positional_only",
-    "args": "positional_or_keyword",
-    "kwonlyargs": "keyword_only",
+# Packages: the names each __init__ imports, and every submodule read in full.
+PACKAGES = ("tensor_parallel", "pipeline_parallel")
+
+# Submodules outside this package's scope, with the reason (also in the README). A release that
+# lacks one of them simply lacks it.
+EXCLUDED = {
+    "pipeline_parallel.fine_grained_activation_offload": "CUDA-stream activation offloading",
+    "pipeline_parallel.combined_1f1b": "CUDA-stream overlap of MoE all-to-all with compute",
+    "pipeline_parallel.bridge_communicator": "multimodule (heterogeneous-grid) machinery",
+    "pipeline_parallel.multimodule_communicator": "multimodule (heterogeneous-grid) machinery",
+    "pipeline_parallel.hybrid_cp_schedule": "hybrid context-parallel CUDA scheduling",
+    "tensor_parallel.generalized_tensor_parallelism": "generalized TP (gtp_remat_size > 1)",
+    "tensor_parallel.gtp_api": "generalized TP (gtp_remat_size > 1)",
 }
+
+# The megatron.core.utils helpers the claimed modules import (issue 20, point 5), plus the
+# memory buffer parallel_state hands out.
+UTILS_HELPERS = (
+    "GlobalMemoryBuffer",
+    "divide",
+    "drain_embedding_wgrad_compute",
+    "get_attr_wrapped_model",
+    "get_model_config",
+    "get_model_type",
+    "get_pg_rank",
+    "get_pg_size",
+    "get_tensor_model_parallel_group_if_none",
+    "is_te_min_version",
+    "is_torch_min_version",
+    "make_tp_sharded_tensor_for_checkpoint",
+    "make_viewless_tensor",
+    "nvtx_decorator",
+    "nvtx_range_pop",
+    "nvtx_range_push",
+    "prepare_input_tensors_for_wgrad_compute",
+    "safely_set_viewless_tensor_data",
+)
+
+_KINDS = {"posonlyargs": "positional_only", "args": "positional_or_keyword"}
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 class _Source:
@@ -62,6 +99,11 @@ class _Source:
         self.path = path
         self.zip = zipfile.ZipFile(path) if path.is_file() else None
 
+    def exists(self, relpath: str) -> bool:
+        if self.zip is not None:
+            return f"megatron/core/{relpath}" in self.zip.namelist()
+        return (self.path / "megatron/core" / relpath).is_file()
+
     def read(self, relpath: str) -> str:
         if self.zip is not None:
             return self.zip.read(f"megatron/core/{relpath}").decode()
@@ -69,6 +111,30 @@ class _Source:
 
     def parse(self, relpath: str) -> ast.Module:
         return ast.parse(self.read(relpath), filename=relpath)
+
+    def submodules(self, package: str) -> list[str]:
+        """Dotted names of ``package``'s direct ``.py`` submodules (not ``__init__``)."""
+        prefix = "megatron/core/" + package.replace(".", "/") + "/"
+        if self.zip is not None:
+            names = [n[len(prefix) :] for n in self.zip.namelist() if n.startswith(prefix)]
+        else:
+            names = [p.name for p in (self.path / prefix).iterdir()]
+        return sorted(
+            f"{package}.{n[:-3]}"
+            for n in names
+            if n.endswith(".py") and "/" not in n and n != "__init__.py"
+        )
+
+    def version(self) -> str:
+        tree = self.parse("package_info.py")
+        values = _constants(tree)
+        return ".".join(
+            str(ast.literal_eval(values[k])) for k in ("MAJOR", "MINOR", "PATCH") if k in values
+        )
+
+
+def _module_path(module: str, package: bool = False) -> str:
+    return module.replace(".", "/") + ("/__init__.py" if package else ".py")
 
 
 def _constants(tree: ast.Module) -> dict[str, str]:
@@ -109,73 +175,111 @@ def _params(fn: ast.FunctionDef, constants: dict[str, str]) -> list[list]:
     return rows
 
 
-def _is_static(fn: ast.FunctionDef) -> bool:
-    return any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
-
-
-def _describe(node: ast.AST, constants: dict[str, str]) -> dict:
-    if isinstance(node, ast.FunctionDef):
-        return {"kind": "function", "params": _params(node, constants)}
-    methods = {}
-    for item in node.body:
-        if not isinstance(item, ast.FunctionDef):
-            continue
-        if item.name in ("__init__", "forward") or not item.name.startswith("_"):
-            params = _params(item, constants)
-            if not _is_static(item) and params and params[0][0] in ("self", "cls"):
-                params = params[1:]
-            methods[item.name] = params
-    return {"kind": "class", "methods": methods}
-
-
-def _top_level(tree: ast.Module) -> dict[str, ast.AST]:
-    return {
-        node.name: node
-        for node in tree.body
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_")
-    }
-
-
-def parallel_state(src: _Source) -> dict:
-    tree = src.parse("parallel_state.py")
-    constants = _constants(tree)
-    return {name: _describe(node, constants) for name, node in _top_level(tree).items()}
-
-
-def tensor_parallel(src: _Source) -> dict:
-    init = src.parse("tensor_parallel/__init__.py")
-    wanted = []  # (exported name, module)
-    for node in init.body:
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            wanted += [(alias.asname or alias.name, node.module) for alias in node.names]
-    wanted += [tuple(reversed(item.split("."))) for item in EXTRA_TENSOR_PARALLEL]
-    trees: dict[str, ast.Module] = {}
-    out = {}
-    for name, module in wanted:
-        if module not in trees:
-            trees[module] = src.parse(f"tensor_parallel/{module}.py")
-        node = _top_level(trees[module]).get(name)
-        if node is None:
-            raise SystemExit(f"{name} not defined at top level of tensor_parallel/{module}.py")
-        row = _describe(node, _constants(trees[module]))
-        row["module"] = module
-        row["in_init"] = (name, module) not in [
-            tuple(reversed(item.split("."))) for item in EXTRA_TENSOR_PARALLEL
-        ]
-        out[name] = row
-    return out
+def _decorators(fn: ast.FunctionDef) -> set[str]:
+    return {ast.unparse(d).split("(")[0] for d in fn.decorator_list}
 
 
 def _field_default(value: ast.expr | None) -> str | None:
-    """The default as source text; ``field(default=X, ...)`` gives X; no default gives None."""
+    """The default as source text; ``field(default=X, ...)`` gives X; no default gives None
+    (also for ``field(init=False)`` and ``field(default_factory=...)``)."""
     if value is None:
         return None
     if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":
         for kw in value.keywords:
             if kw.arg == "default":
                 return ast.unparse(kw.value)
-        raise SystemExit(f"unsupported field(...) default: {ast.unparse(value)}")
+        return None
     return ast.unparse(value)
+
+
+def _describe_class(node: ast.ClassDef, constants: dict[str, str]) -> dict:
+    methods, properties, fields, members = {}, [], [], []
+    bases = {ast.unparse(b) for b in node.bases}
+    is_enum = any(b.split(".")[-1] in ("Enum", "IntEnum", "StrEnum", "Flag") for b in bases)
+    for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            decorators = _decorators(item)
+            if item.name.startswith("_") and item.name not in ("__init__", "forward"):
+                continue
+            if "property" in decorators or any(d.endswith(".setter") for d in decorators):
+                if item.name not in properties:
+                    properties.append(item.name)
+                continue
+            params = _params(item, constants)
+            if "staticmethod" not in decorators and params and params[0][0] in ("self", "cls"):
+                params = params[1:]
+            methods[item.name] = params
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            if not item.target.id.startswith("_"):
+                fields.append([item.target.id, _field_default(item.value)])
+        elif is_enum and isinstance(item, ast.Assign) and isinstance(item.targets[0], ast.Name):
+            members.append([item.targets[0].id, ast.unparse(item.value)])
+    row = {"kind": "class", "methods": methods}
+    if properties:
+        row["properties"] = properties
+    if fields:
+        row["fields"] = fields
+    if is_enum:
+        row["members"] = members
+    return row
+
+
+def _describe(node: ast.AST, constants: dict[str, str]) -> dict:
+    if isinstance(node, ast.ClassDef):
+        return _describe_class(node, constants)
+    return {"kind": "function", "params": _params(node, constants)}
+
+
+def _top_level(body: list[ast.stmt]) -> dict[str, ast.AST]:
+    """Public functions and classes defined at module level, also inside top-level ``if`` /
+    ``try`` blocks (an import fallback); the first definition of a name wins."""
+    out: dict[str, ast.AST] = {}
+    for node in body:
+        if isinstance(node, _DEFS) and not node.name.startswith("_"):
+            out.setdefault(node.name, node)
+        elif isinstance(node, (ast.If, ast.Try)):
+            nested = node.body + node.orelse
+            for handler in getattr(node, "handlers", []):
+                nested += handler.body
+            for name, inner in _top_level(nested).items():
+                out.setdefault(name, inner)
+    return out
+
+
+def whole_module(src: _Source, module: str) -> dict:
+    tree = src.parse(_module_path(module))
+    constants = _constants(tree)
+    return {name: _describe(node, constants) for name, node in _top_level(tree.body).items()}
+
+
+def package_init(src: _Source, package: str) -> dict:
+    """The names ``package/__init__.py`` imports from its submodules, each described from the
+    submodule that defines it (``"module"`` says which)."""
+    tree = src.parse(_module_path(package, package=True))
+    out = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.ImportFrom) and node.level == 1 and node.module):
+            continue
+        module = f"{package}.{node.module}"
+        definitions = _top_level(src.parse(_module_path(module)).body)
+        constants = _constants(src.parse(_module_path(module)))
+        for alias in node.names:
+            if alias.name not in definitions:
+                raise SystemExit(f"{alias.name} is not defined at top level of {module}")
+            row = _describe(definitions[alias.name], constants)
+            row["module"] = node.module
+            out[alias.asname or alias.name] = row
+    return out
+
+
+def utils_helpers(src: _Source) -> dict:
+    tree = src.parse("utils.py")
+    constants = _constants(tree)
+    definitions = _top_level(tree.body)
+    missing = [name for name in UTILS_HELPERS if name not in definitions]
+    if missing:
+        raise SystemExit(f"utils.py lacks {missing}")
+    return {name: _describe(definitions[name], constants) for name in UTILS_HELPERS}
 
 
 def model_parallel_config(src: _Source) -> list[list]:
@@ -183,6 +287,7 @@ def model_parallel_config(src: _Source) -> list[list]:
     cls = next(
         n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ModelParallelConfig"
     )
+    # Every annotated field, private ones included: all are dataclass __init__ parameters.
     return [
         [item.target.id, _field_default(item.value)]
         for item in cls.body
@@ -190,22 +295,38 @@ def model_parallel_config(src: _Source) -> list[list]:
     ]
 
 
+def modules(src: _Source) -> dict[str, dict]:
+    """Dotted module name (under megatron.core) -> public name -> description."""
+    out = {module: whole_module(src, module) for module in WHOLE_MODULES}
+    for package in PACKAGES:
+        out[package] = package_init(src, package)
+        for module in src.submodules(package):
+            if module not in EXCLUDED:
+                out[module] = whole_module(src, module)
+    out["utils"] = utils_helpers(src)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("path", type=Path, help="megatron-core 0.16.1 wheel or unpacked tree")
-    parser.add_argument("-o", "--output", type=Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("path", type=Path, help="a megatron-core wheel or unpacked tree")
+    parser.add_argument("-o", "--output", type=Path, default=None)
     args = parser.parse_args(argv)
     src = _Source(args.path)
+    version = src.version()
+    output = args.output or DATA_DIR / f"megatron_core_{version.replace('.', '_')}_api.json"
     manifest = {
-        "source": "megatron-core 0.16.1 (" + args.path.name + ")",
-        "parallel_state": parallel_state(src),
-        "tensor_parallel": tensor_parallel(src),
+        "source": f"megatron-core {version} ({args.path.name})",
+        "version": version,
+        "excluded": {k: v for k, v in EXCLUDED.items() if src.exists(_module_path(k))},
+        "modules": modules(src),
         "model_parallel_config": model_parallel_config(src),
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
-    counts = {k: len(v) for k, v in manifest.items() if k != "source"}
-    print(f"wrote {args.output}: {counts}", file=sys.stderr)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(manifest, indent=1) + "\n")
+    counts = {k: len(v) for k, v in manifest["modules"].items()}
+    total = sum(counts.values())
+    print(f"wrote {output}: {total} names {counts}", file=sys.stderr)
     return 0
 
 

@@ -2,7 +2,9 @@
 
 The suite runs in check mode (megatron_core.consistency, issue 15): every collective first
 verifies that the ranks agree. Set before any worker starts, so every worker inherits it;
-``MEGATRON_CORE_CHECK_CONSISTENCY=0 python -m pytest tests -q`` runs without it.
+``MEGATRON_CORE_CHECK_CONSISTENCY=0 python -m pytest tests -q`` runs without it. Tests of the
+default mode (the check window, issue 22) force it in their per-rank bodies
+(``consistency.check_mode("window")``) and assert that it is in force.
 """
 
 import os

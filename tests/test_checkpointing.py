@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_core import parallel_state
+from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import (
     CheckpointWithoutOutput,
@@ -318,9 +318,26 @@ def _autograd_grad_problems(layers, inputs, mask) -> list[str]:
 
 
 def _unequal_input_problems(layers, inputs, mask) -> list[str]:
-    """check_determinism refuses a distributed input that differs across the TP group."""
+    """A distributed input that differs across the TP group: forward refuses it in the default
+    mode and check mode (issue 22); with the checks off, check_determinism refuses it."""
     if dist.get_world_size() == 1:
         return []
+    for mode in ("window", "always"):
+        with consistency.check_mode(mode):
+            x = (inputs[0] + dist.get_rank()).requires_grad_()
+            try:
+                checkpoint(layers[0], True, x, *inputs[1:], mask, P)
+                return [f"{mode}: forward distributed an input that differs across TP ranks"]
+            except consistency.RankDisagreementError as e:
+                named = "checkpoint(distribute_saved_activations=True) input #0" in str(e)
+                if not (named and "content checksum" in str(e)):
+                    return [f"{mode}: unclear error for an unequal distributed input: {e}"]
+    with consistency.check_mode(False):
+        return _unequal_input_determinism_problems(layers, inputs, mask)
+
+
+def _unequal_input_determinism_problems(layers, inputs, mask) -> list[str]:
+    """With the checks off, check_determinism refuses the differing input in backward."""
     x = (inputs[0] + dist.get_rank()).requires_grad_()
     out = checkpoint(layers[0], True, x, *inputs[1:], mask, P, check_determinism=True)
     try:

@@ -87,6 +87,11 @@ def _gather_4x3_vs_3x4(tp):
     return gather_from_tensor_model_parallel_region(torch.ones((3, 4) if _last() else (4, 3)))
 
 
+def _gather_ndim_2_vs_3(tp):
+    _init(tp)  # the same number of elements: gloo would mix the bytes silently
+    return gather_from_tensor_model_parallel_region(torch.ones((4, 3, 1) if _last() else (4, 3)))
+
+
 def _gather_f32_vs_f64(tp):
     _init(tp)
     x = torch.ones(4, 3, dtype=torch.float64 if _last() else torch.float32)
@@ -125,6 +130,13 @@ def _split_1d_chunks_3_vs_5(tp):
     return gather_split_1d_tensor(torch.ones(5 if _last() else 3), group=group)
 
 
+def _split_1d_numel_6_vs_5(tp):
+    group = _init(tp)  # both numels give chunks of the same size: the outputs would differ
+    numel = 5 if _last() else 6
+    chunk = -(-numel // tp)
+    return gather_split_1d_tensor(torch.ones(chunk), group=group, numel=numel)
+
+
 def _logits(rows, partition):
     return torch.randn(rows, partition, generator=torch.Generator().manual_seed(0))
 
@@ -139,6 +151,13 @@ def _ce_batch_3_vs_5(tp):
     _init(tp)
     rows = 5 if _last() else 3
     return vocab_parallel_cross_entropy(_logits(rows, 4), torch.zeros(rows, dtype=torch.long))
+
+
+def _ce_batch_2x3_vs_3x2(tp):
+    _init(tp)  # as many tokens on every rank, cut into other shapes
+    shape = (3, 2) if _last() else (2, 3)
+    logits = torch.randn(*shape, 4, generator=torch.Generator().manual_seed(0))
+    return vocab_parallel_cross_entropy(logits, torch.zeros(shape, dtype=torch.long))
 
 
 def _ce_vocab_4_vs_6(tp):
@@ -186,6 +205,27 @@ def _embedding_out_of_range(tp):
     return layer(torch.tensor([[0, 4 * tp + 1, -1]]))
 
 
+def _embedding_after_the_window(tp):
+    consistency.set_window(0)  # the default window is closed: the local range check is left
+    try:
+        return _embedding_out_of_range(tp)
+    finally:
+        consistency.set_window(None)
+
+
+def _checkpoint_input_differs(tp):
+    from megatron_core.tensor_parallel import checkpoint
+
+    _init(tp)
+    linear = torch.nn.Linear(4, 4)
+    x = torch.ones(2, 4 * tp)
+    if _last():
+        x[1, 2] = 2.0  # the recompute would use the other ranks' chunks of their own input
+    out = checkpoint(lambda t: linear(t.view(-1, 4)), True, x.requires_grad_())
+    out.sum().backward()
+    return out
+
+
 def _checkpoint_backward_one_rank(tp):
     from megatron_core.tensor_parallel import checkpoint
 
@@ -216,6 +256,14 @@ def _init_invalid_on_one_rank(tp):
     # The last rank asks for a size that does not divide the world: it fails validation alone,
     # and its peers must not wait for it in the argument agreement.
     _init(3 if _last() else tp)
+
+
+def _modes_differ(tp):
+    # One rank in another consistency mode would stop checking at another collective than its
+    # peers: initialize_model_parallel's agreement (always on) names it first.
+    if _last():
+        consistency.set_mode("always" if consistency.mode().value != "always" else "window")
+    _init(tp)
 
 
 def _finalize_grads_of_different_models(tp):
@@ -278,6 +326,11 @@ CASES = {
         ("initialize_model_parallel", "tensor_model_parallel_size", "= 3", "WORLD", "invalid"),
         always=True,
     ),
+    "modes_differ": Case(
+        _modes_differ,
+        ("initialize_model_parallel", "consistency mode", "always, window 4096"),
+        always=True,
+    ),
     "finalize_grads_of_different_models": Case(
         _finalize_grads_of_different_models, ("finalize_model_grads all_reduce", "shape")
     ),
@@ -303,6 +356,7 @@ CASES = {
         _gather_first_dim_4_vs_2, ("gather along the last dimension", "(4, 3)", "(2, 3)")
     ),
     "gather_4x3_vs_3x4": Case(_gather_4x3_vs_3x4, ("shape", "(4, 3)", "(3, 4)")),
+    "gather_ndim_2_vs_3": Case(_gather_ndim_2_vs_3, ("shape", "(4, 3)", "(4, 3, 1)")),
     "gather_f32_vs_f64": Case(_gather_f32_vs_f64, ("dtype", "torch.float32", "torch.float64")),
     "sequence_gather_4_vs_2": Case(_sequence_gather_4_vs_2, ("all_gather", "(4, 2)", "(2, 2)")),
     "sequence_reduce_scatter_shape": Case(
@@ -321,6 +375,9 @@ CASES = {
     "split_1d_chunks_3_vs_5": Case(
         _split_1d_chunks_3_vs_5, ("gather_split_1d_tensor", "(3,)", "(5,)")
     ),
+    "split_1d_numel_6_vs_5": Case(
+        _split_1d_numel_6_vs_5, ("gather_split_1d_tensor", "numel", "= 6", "= 5")
+    ),
     "ce_target_out_of_range_one_rank": Case(
         _ce_target_out_of_range_one_rank,
         ("vocab_parallel_cross_entropy", "content checksum"),  # the targets differ: caught first
@@ -328,6 +385,9 @@ CASES = {
         unchecked_fragments=("vocab_parallel_cross_entropy", "failed on 1 of the", "outside [0"),
     ),
     "ce_batch_3_vs_5": Case(_ce_batch_3_vs_5, ("vocab_parallel_cross_entropy", "(3, 4)", "(5, 4)")),
+    "ce_batch_2x3_vs_3x2": Case(
+        _ce_batch_2x3_vs_3x2, ("vocab_parallel_cross_entropy", "(2, 3, 4)", "(3, 2, 4)")
+    ),
     "ce_vocab_4_vs_6": Case(_ce_vocab_4_vs_6, ("vocab_parallel_cross_entropy", "(3, 4)", "(3, 6)")),
     "ce_targets_differ": Case(
         _ce_targets_differ, ("vocab_parallel_cross_entropy", "content checksum")
@@ -342,6 +402,15 @@ CASES = {
     "embedding_out_of_range": Case(
         _embedding_out_of_range, ("VocabParallelEmbedding", "ids [", "outside [0, vocabulary size")
     ),
+    "embedding_after_the_window": Case(
+        _embedding_after_the_window,
+        ("VocabParallelEmbedding", "ids [", "outside [0, vocabulary size"),
+        local=True,  # each rank's own check, the same ids: the same error, no group involved
+    ),
+    "checkpoint_input_differs": Case(
+        _checkpoint_input_differs,
+        ("checkpoint(distribute_saved_activations=True) input #0", "content checksum"),
+    ),
     "checkpoint_backward_one_rank": Case(
         _checkpoint_backward_one_rank, ("disagree on op", "gather_split_1d_tensor", "all_reduce")
     ),
@@ -351,10 +420,15 @@ CASES = {
 # --- the harness -------------------------------------------------------------------------------
 
 
-def _run_case(name: str, tp: int, check: bool):
+def _run_case(name: str, tp: int, check: bool | str):
+    """``check``: True (check mode), False (every check off) or "window" (the default mode,
+    forced here because tests/conftest.py turns check mode on for the suite)."""
     with consistency.check_mode(check):
         start = time.monotonic()
         try:
+            expected = {True: "always", False: "off"}.get(check, check)
+            if consistency.mode().value != expected:  # fails the test: not a package error
+                raise AssertionError(f"mode {consistency.mode()} in force, not {expected}")
             value = CASES[name].body(tp)
         except consistency.CollectiveError:
             raise  # a timeout: the group is broken, so the harness must discard these workers
@@ -369,7 +443,7 @@ def _run_case(name: str, tp: int, check: bool):
         return "returned", type(value).__name__, False, repr(value), time.monotonic() - start
 
 
-def _assert_agreed_error(name: str, tp: int, check: bool) -> str:
+def _assert_agreed_error(name: str, tp: int, check: bool | str) -> str:
     if CASES[name].fresh:
         shutdown_pools()  # the next call starts new worker processes
     results = run_distributed(_run_case, tp, name, tp, check, timeout=60)
@@ -385,7 +459,8 @@ def _assert_agreed_error(name: str, tp: int, check: bool) -> str:
     case = CASES[name]
     if not case.local:
         assert f"global ranks {list(range(tp))}" in message, message  # the group is named
-    fragments = case.fragments if check else (case.unchecked_fragments or case.fragments)
+    unchecked = check is False
+    fragments = (case.unchecked_fragments or case.fragments) if unchecked else case.fragments
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in: {message}"
     return message
@@ -395,6 +470,51 @@ def _assert_agreed_error(name: str, tp: int, check: bool) -> str:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_case_in_check_mode(name, tp):
     _assert_agreed_error(name, tp, check=True)
+
+
+# Issue 22: the default mode (no switch turned on) must end these as check mode does. Gloo
+# aborted the process in the first 7, the next 9 returned wrong results, the last 3 hung.
+ISSUE_22_CASES = {
+    "abort": (
+        "gather_first_dim_4_vs_2",
+        "gather_last_dim_3_vs_5",
+        "sequence_gather_4_vs_2",
+        "split_1d_chunks_3_vs_5",
+        "ce_batch_3_vs_5",
+        "broadcast_f32_vs_i64",
+        "broadcast_keys",
+    ),
+    "silent": (
+        "gather_4x3_vs_3x4",
+        "gather_ndim_2_vs_3",
+        "gather_f32_vs_f64",
+        "ce_vocab_4_vs_6",
+        "ce_batch_2x3_vs_3x2",
+        "broadcast_i64_vs_f64",
+        "split_1d_numel_6_vs_5",
+        "embedding_out_of_range",
+        "checkpoint_input_differs",
+    ),
+    "hang": ("reduce_3_vs_4", "reduce_4_vs_3", "checkpoint_backward_one_rank"),
+}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_case_in_the_default_mode(name, tp):
+    """Every case, issue 22's included, ends in the default mode as in check mode."""
+    _assert_agreed_error(name, tp, check="window")
+
+
+def test_issue_22_cases_are_all_run():
+    listed = [n for names in ISSUE_22_CASES.values() for n in names]
+    assert len(listed) == 19 and set(listed) <= set(CASES)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_out_of_vocabulary_ids_raise_after_the_window(tp):
+    # The same ids on every rank, so each rank's own check raises the same error (no exchange).
+    _assert_agreed_error("embedding_after_the_window", tp, check="window")
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -443,7 +563,7 @@ def _dead_peer(tp):
         raise consistency.CollectiveError(f"{exc} [after {seconds:.1f} s]") from exc
 
 
-@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("check", [False, True, "window"])
 def test_dead_peer_gives_a_named_error_on_the_survivors(check):
     from megatron_core.testing import DistributedTestError
 
@@ -453,7 +573,8 @@ def test_dead_peer_gives_a_named_error_on_the_survivors(check):
     assert failures[1].type_name == "WorkerDied"
     survivor = failures[0]
     assert survivor.type_name.endswith("CollectiveError"), survivor
-    op = "the consistency check's all-gather" if check else "all_reduce"
+    checked = check is not False  # in the window, the check's exchange is what waits
+    op = "the consistency check's all-gather before all_reduce" if checked else "all_reduce"
     assert survivor.message.startswith(
         f"{op} on the tensor-model-parallel / model-parallel group (global ranks [0, 1]) failed "
         "(a peer process of the group died or closed its connection)"

@@ -46,6 +46,53 @@ def test_switch(monkeypatch, env, debug, override, expected):
         consistency.set_enabled(previous)
 
 
+@pytest.mark.parametrize(
+    "env, debug, expected",
+    [
+        (None, None, "window"),  # the default
+        ("window", None, "window"),
+        ("1", None, "always"),
+        ("always", None, "always"),
+        ("0", None, "off"),
+        ("off", "DETAIL", "off"),
+        (None, "DETAIL", "always"),
+    ],
+)
+def test_mode_from_the_environment(monkeypatch, env, debug, expected):
+    for name, value in ((consistency.CHECK_ENV, env), ("TORCH_DISTRIBUTED_DEBUG", debug)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    previous = consistency.set_mode(None)  # read the environment again
+    try:
+        assert consistency.mode() is consistency.CheckMode(expected)
+    finally:
+        consistency.set_mode(previous)
+
+
+def test_bad_mode_and_window_values_are_named(monkeypatch):
+    monkeypatch.setenv(consistency.CHECK_ENV, "sometimes")
+    previous = consistency.set_mode(None)
+    try:
+        with pytest.raises(MegatronCoreError, match="MEGATRON_CORE_CHECK_CONSISTENCY='sometimes'"):
+            consistency.mode()
+    finally:
+        monkeypatch.delenv(consistency.CHECK_ENV)
+        consistency.set_mode(previous)
+    with pytest.raises(MegatronCoreError, match=r"set_mode: mode \('never'\) must be"):
+        consistency.set_mode("never")
+    with pytest.raises(MegatronCoreError, match=r"set_window: size \(-1\) must be an int >= 0"):
+        consistency.set_window(-1)
+    monkeypatch.setenv(consistency.WINDOW_ENV, "lots")
+    consistency.set_window(None)
+    with pytest.raises(MegatronCoreError, match="MEGATRON_CORE_CHECK_WINDOW='lots'"):
+        consistency.window_size()
+    monkeypatch.delenv(consistency.WINDOW_ENV)
+    consistency.set_window(None)
+    assert consistency.window_size() == consistency.DEFAULT_WINDOW
+
+
 def test_check_mode_context_restores(monkeypatch):
     monkeypatch.delenv(consistency.CHECK_ENV, raising=False)
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
@@ -177,6 +224,65 @@ def test_check_collective_only_in_check_mode():
     assert "(2,), rank 1 (global rank 1) = (3,)" in on[0][1]
 
 
+def _body_window(size: int, bad_at: int):
+    """``size + 2`` checks on one group in WINDOW mode; the last rank's tensor differs at call
+    ``bad_at`` (1-based). Returns the count after each call, or the error and where."""
+    group = _group()
+    counts = []
+    with consistency.check_mode(consistency.CheckMode.WINDOW):
+        consistency.set_window(size)
+        try:
+            for call in range(1, size + 3):
+                rows = 3 if call == bad_at and dist.get_rank() == dist.get_world_size() - 1 else 2
+                try:
+                    consistency.check_collective("all_reduce", group, torch.zeros(rows))
+                except RankDisagreementError as exc:
+                    return call, str(exc)
+                counts.append(consistency.checked_count(group))
+        finally:
+            consistency.set_window(None)
+    return counts
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_window_agrees_the_first_n_collectives_then_stops_on_every_rank(world_size):
+    size = 4
+    ok = run_distributed(_body_window, world_size, size, 0, timeout=60)
+    assert ok == [[1, 2, 3, 4, 4, 4]] * world_size  # closed at the same count everywhere
+    for results in (run_distributed(_body_window, world_size, size, size, timeout=60),):
+        assert {call for call, _ in results} == {size}  # the last call inside is still agreed
+        assert len({message for _, message in results}) == 1
+        assert "(2,)" in results[0][1] and "(3,)" in results[0][1]
+    # After the window nothing is exchanged: the differing call passes unseen (mode OFF would
+    # be the same), and no rank waits for another.
+    after = run_distributed(_body_window, world_size, size, size + 1, timeout=60)
+    assert after == [[1, 2, 3, 4, 4, 4]] * world_size
+
+
+def _body_rare_group_closes():
+    busy = dist.new_group([0, 1])  # ranks 2 and 3 (at world size 4) make no checks there
+    rare = _group()
+    with consistency.check_mode(consistency.CheckMode.WINDOW):
+        consistency.set_window(4)
+        try:
+            for _ in range(4 if dist.get_rank() < 2 else 0):  # an iteration's worth: done
+                consistency.check_collective("all_reduce", busy, torch.zeros(2))
+            done = consistency.windows_done()
+            consistency.check_collective("grad norm", rare, torch.zeros(1))  # carries "done"
+            return done, consistency.checked_count(rare), consistency.should_check(rare)
+        finally:
+            consistency.set_window(None)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_group_with_rare_collectives_closes_once_an_iterations_worth_is_checked(world_size):
+    # NOTE [ Check window ], rule 4: the rare group's first check is still agreed, then it is
+    # closed on every member at once (count = window size), not after 4 of its own checks,
+    # also on the members that made no checks elsewhere (ranks 2, 3).
+    results = run_distributed(_body_rare_group_closes, world_size, timeout=60)
+    assert results == [(True, 4, False)] * 2 + [(False, 4, False)] * (world_size - 2)
+
+
 def _body_silent_peer():
     group = _group(seconds=2.0)  # a short group timeout: the peer never comes
     if dist.get_rank() == 1:
@@ -188,9 +294,34 @@ def test_silent_peer_times_out_with_a_named_error():
     (kind, message, seconds), _ = run_distributed(_body_silent_peer, 2, timeout=60)
     assert kind == "CollectiveError"
     assert message.startswith(
-        "the consistency check's all-gather on the process group of global ranks [0, 1] failed "
+        "the consistency check's all-gather before op on the process group of global ranks "
+        "[0, 1] failed "
         "(a peer did not enter the collective within the group timeout)"
     )
+    assert 1.5 < seconds < 10
+
+
+def _body_silent_peer_after_the_window():
+    from megatron_core.tensor_parallel import _collectives
+
+    group = _group(seconds=2.0)
+    if dist.get_rank() == 1:
+        return "ok", None, 0.0
+    with consistency.check_mode(consistency.CheckMode.WINDOW):
+        consistency.set_window(0)  # closed: the all-reduce itself is what waits
+        try:
+            return _outcome(_collectives.all_reduce, torch.zeros(1), group)
+        finally:
+            consistency.set_window(None)
+
+
+def test_silent_peer_after_the_window_times_out_with_a_named_error():
+    (kind, message, seconds), _ = run_distributed(_body_silent_peer_after_the_window, 2, timeout=60)
+    assert kind == "CollectiveError"
+    assert message.startswith(
+        "all_reduce on the process group of global ranks [0, 1] failed (a peer did not enter "
+        "the collective within the group timeout)"
+    ), message
     assert 1.5 < seconds < 10
 
 

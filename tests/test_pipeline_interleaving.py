@@ -462,3 +462,18 @@ def test_argument_error_names_the_real_pipeline_size():
         assert len(messages) == 2
         for message in messages:
             assert "pipeline size (4)" in message, message
+
+
+def test_backward_step_multimodule_per_module():
+    # megatron-core 0.19: dicts by module name; a bare output is the language model's loss.
+    config = types.SimpleNamespace(
+        grad_scale_func=lambda x: 2 * x, deallocate_pipeline_outputs=False
+    )
+    vision, text = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
+    loss = (vision * 3).sum() + (text * 5).sum()
+    grads = schedules.backward_step_multimodule(
+        {"vision": vision, "lm": [text], "none": None}, loss, None, config, "lm"
+    )
+    assert grads["none"] is None
+    torch.testing.assert_close(grads["vision"], torch.full((3,), 6.0))  # grad_scale_func: x2
+    torch.testing.assert_close(grads["lm"], torch.full((2,), 10.0))

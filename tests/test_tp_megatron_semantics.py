@@ -288,12 +288,8 @@ def test_extra_state_in_state_dict():
 # --- without processes ----------------------------------------------------------------------
 
 
-def test_inference_layers_name_transformer_engine():
-    for cls in (tp_api.InferenceLayerNormColumnParallelLinear, tp_api.InferenceRowParallelLinear):
-        with pytest.raises(MegatronCoreError, match="Transformer Engine"):
-            cls(8, 8, config=_config(), init_method=_init, bias=True, skip_bias_add=False,
-                is_expert=False, **({"gather_output": False} if "Column" in cls.__name__
-                                    else {"input_is_parallel": True}))  # fmt: skip
+# The inference layers compute (no Transformer Engine needed since megatron-core 0.19's names
+# were added): tests/test_megatron_019_tensor_parallel.py.
 
 
 def test_config_derived_defaults_are_megatron_cores():

@@ -235,6 +235,13 @@ def _damage(directory: Path, case: str) -> None:
             "sha256": hashlib.sha256(payload).hexdigest(),
         }
         manifest_path.write_text(json.dumps(manifest))  # a consistent manifest: the reader checks
+    elif case in ("unlisted shard", "shard not covered"):  # the entry goes, valid JSON stays
+        del manifest["files"]["__1_0.distcp"]
+        manifest_path.write_text(json.dumps(manifest))
+        if case == "shard not covered":
+            shard.unlink()  # .metadata still names it
+    elif case == "stray file":
+        (iteration / "notes.txt").write_text("not part of the checkpoint")
     elif case == "bad manifest":
         manifest_path.write_text("{not json")
     elif case == "no tracker":
@@ -249,6 +256,9 @@ DAMAGE = {
     "random metadata": ".metadata is unreadable",
     "bad manifest": "manifest.json is unreadable",
     "no tracker": f"{TRACKER_FILENAME} does not exist",
+    "unlisted shard": "__1_0.distcp is not listed in manifest.json",
+    "shard not covered": "__1_0.distcp is named by .metadata but not covered by manifest.json",
+    "stray file": "notes.txt is not listed in manifest.json",
 }
 
 
@@ -295,35 +305,80 @@ def test_other_model_configuration_is_named_by_its_flag(tmp_path):
         DistributedTestError, match=r"trained with --hidden-size 32 \(this run: 64\)"
     ):
         run_distributed(_losses, 1, _argv(train_iters=2, load=directory, hidden_size=64))
+    # Resolved values are compared: no --ffn-hidden-size means 4 * hidden = 128.
+    with pytest.raises(
+        DistributedTestError, match=r"trained with --ffn-hidden-size 128 \(this run: 64\)"
+    ):
+        run_distributed(_losses, 1, _argv(train_iters=2, load=directory, ffn_hidden_size=64))
+    (losses,) = run_distributed(
+        _losses, 1, _argv(train_iters=2, load=directory, ffn_hidden_size=128)
+    )
+    assert sorted(losses) == [2]
+
+
+def test_an_unregistered_complete_checkpoint_is_named_with_the_flag_that_loads_it(tmp_path):
+    """A first save stopped after its directory was complete, before the tracker was written."""
+    directory = str(tmp_path)
+    run_distributed(_losses, 1, _argv(train_iters=2, save=directory, tensor_model_parallel_size=1))
+    (tmp_path / TRACKER_FILENAME).unlink()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_losses, 1, _argv(train_iters=3, load=directory))
+    (failure,) = info.value.failures.values()
+    assert f"no checkpoint in {directory}" in failure.message, failure.message
+    assert f"{tmp_path / 'iter_0000002'} is a complete checkpoint" in failure.message
+    assert "--ckpt-step 2" in failure.message, failure.message
+    (losses,) = run_distributed(_losses, 1, _argv(train_iters=3, load=directory, ckpt_step=2))
+    assert sorted(losses) == [3]
 
 
 # --- interrupted and failing saves ------------------------------------------------------------
 
 
+class _FullDisk:
+    """A DCP output stream that fails after 4 KiB, as a full disk does (``write`` raises
+    ENOSPC; torch.save then reports "unexpected pos ..."), or whose process is killed there."""
+
+    def __init__(self, stream, failure: str):
+        self._stream, self._failure, self._written = stream, failure, 0
+
+    def write(self, data) -> int:
+        self._written += len(memoryview(data).cast("B"))
+        if self._written > 4096:
+            if self._failure == "killed":
+                os._exit(1)  # no cleanup of any kind
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self._stream.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def _failing_writer(failure: str):
-    """A DCP writer that, on global rank 1, writes part of its file and then fails: the disk is
-    full (ENOSPC) or the process is killed (os._exit, no cleanup of any kind)."""
-    from megatron_core.training import checkpoint
+    """On global rank 1, DCP's shard files fail part-way through (see :class:`_FullDisk`)."""
+    import contextlib
 
-    class Writer(checkpoint.FileSystemWriter):
-        def write_data(self, plan, planner):
-            if dist.get_rank() != 1:
-                return super().write_data(plan, planner)
-            with open(Path(self.path) / "__1_0.distcp", "wb") as file:
-                file.write(b"\0" * 4096)
-            if failure == "killed":
-                os._exit(1)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+    from torch.distributed.checkpoint import filesystem
 
-    checkpoint.FileSystemWriter = Writer
+    original = filesystem.FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with original(self, path, mode) as stream:
+            failing = dist.get_rank() == 1 and str(path).endswith(".distcp")
+            yield _FullDisk(stream, failure) if failing else stream
+
+    filesystem.FileSystem.create_stream = create_stream
+    return original
 
 
 def _save_twice_second_fails(directory: str, failure: str):
     """Iteration 2 saves fine; the save at iteration 4 fails on rank 1."""
     argv = _argv(train_iters=4, save=directory, save_interval=2, tensor_model_parallel_size=1)
-    from megatron_core.training import checkpoint, loop
+    from torch.distributed.checkpoint import filesystem
 
-    original, writer = loop.save_checkpoint, checkpoint.FileSystemWriter
+    from megatron_core.training import loop
+
+    original, create_stream = loop.save_checkpoint, filesystem.FileSystem.create_stream
     calls = []
 
     def second_save_fails(*args, **kwargs):
@@ -338,7 +393,7 @@ def _save_twice_second_fails(directory: str, failure: str):
     except MegatronCoreError as exc:
         return str(exc)
     finally:  # these workers serve later tests
-        loop.save_checkpoint, checkpoint.FileSystemWriter = original, writer
+        loop.save_checkpoint, filesystem.FileSystem.create_stream = original, create_stream
     return None
 
 
@@ -349,9 +404,12 @@ def _resume_losses(directory: str):
 
 def test_disk_full_during_save_fails_on_every_rank_and_leaves_no_temporary_files(tmp_path):
     messages = run_distributed(_save_twice_second_fails, 2, str(tmp_path), "disk full")
-    for message in messages:
-        assert message is not None and "No space left on device" in message, message
-        assert message.startswith(f"saving checkpoint {tmp_path / 'iter_0000004'} failed")
+    assert len(set(messages)) == 1, messages  # every rank: the same error
+    message = messages[0]
+    assert message is not None and "No space left on device" in message, message
+    assert "rank 1: OSError: [Errno 28] No space left on device" in message, message
+    assert "unexpected pos" not in message, message  # torch.save's text for the short write
+    assert message.startswith(f"saving checkpoint {tmp_path / 'iter_0000004'} failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", TRACKER_FILENAME]
     assert (tmp_path / TRACKER_FILENAME).read_text().strip() == "2"
     (losses,) = run_distributed(_resume_losses, 1, str(tmp_path))

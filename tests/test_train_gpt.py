@@ -60,6 +60,7 @@ def _train(argv: list[str]) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
         ({"num_layers_per_virtual_pipeline_stage": 1}, "needs --pipeline-model-parallel-size"),
         ({"hidden_dropout": 1.5}, "must be in [0, 1)"),
         ({"save_interval": 5}, "needs --save"),
+        ({"ckpt_step": 3}, "needs --load DIR and must be >= 0"),
         ({"lr": 1e-3, "min_lr": 1e-2}, "--min-lr"),
     ],
 )

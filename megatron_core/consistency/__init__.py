@@ -1,13 +1,13 @@
 """When ranks disagree: agree first, then act, so no rank hangs, aborts or computes garbage.
 
-The face of the consistency checks. checks.py holds the primitives (:func:`agree`,
-:func:`agreed_errors`, the check-mode switch, :func:`named_failures`) and NOTE [ Agree before
-acting ]; text.py the readable messages (group names, call sites, each rank's values) that every
-rank of a disagreeing group raises alike.
+The face of the consistency checks. switch.py holds the switch (off, the default window of the
+first collectives of each group, always: check mode) and NOTE [ Check window ]; checks.py the
+primitives (:func:`agree`, :func:`agreed_errors`, :func:`named_failures`) and NOTE [ Agree
+before acting ]; text.py the readable messages (group names, call sites, each rank's values)
+that every rank of a disagreeing group raises alike.
 """
 
 from megatron_core.consistency.checks import (
-    CHECK_ENV,
     CollectiveError,
     RankDisagreementError,
     agree,
@@ -15,27 +15,53 @@ from megatron_core.consistency.checks import (
     agreed_splits,
     check_collective,
     check_ids,
-    check_mode,
     checked_all_reduce,
     collective_failed,
     describe_group,
+    named_failures,
+)
+from megatron_core.consistency.switch import (
+    CHECK_ENV,
+    DEFAULT_WINDOW,
+    WINDOW_ENV,
+    CheckMode,
+    check_mode,
+    checked_count,
+    close_window,
     disable,
     enable,
     is_enabled,
-    named_failures,
+    mode,
     set_enabled,
+    set_mode,
+    set_window,
+    should_check,
+    window_size,
+    windows_done,
 )
 
 __all__ = [
-    # checks.py
+    # switch.py
     "CHECK_ENV",
-    "RankDisagreementError",
-    "CollectiveError",
+    "WINDOW_ENV",
+    "DEFAULT_WINDOW",
+    "CheckMode",
+    "mode",
+    "set_mode",
     "is_enabled",
     "enable",
     "disable",
     "set_enabled",
     "check_mode",
+    "window_size",
+    "set_window",
+    "should_check",
+    "checked_count",
+    "windows_done",
+    "close_window",
+    # checks.py
+    "RankDisagreementError",
+    "CollectiveError",
     "agree",
     "check_collective",
     "check_ids",

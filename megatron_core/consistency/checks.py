@@ -3,7 +3,7 @@
 Every rank of a group must call the same collective with tensors of the same shape and dtype and
 with arguments that agree (vocabulary partitions, split sizes, broadcast keys). When they do not,
 gloo and NCCL hang, abort the process (gloo's ``op.preamble.length <= op.nbytes``), or silently
-reinterpret bytes. This module gives the package two primitives and a switch:
+reinterpret bytes. This module gives the package two primitives, used as switch.py says:
 
 * :func:`agree` (always runs) exchanges one fixed-size descriptor per rank -- the op, the tensor's
   shape and dtype, a hash of the arguments that must agree, and whether this rank hit an error --
@@ -13,17 +13,19 @@ reinterpret bytes. This module gives the package two primitives and a switch:
   value (the readable values are gathered only on this slow path).
 * :func:`agreed_errors` wraps local checks: an error raised on one rank is shared through
   :func:`agree`, so its peers raise it too instead of blocking in the next collective.
-* Check mode (:func:`is_enabled`): off by default; on with ``MEGATRON_CORE_CHECK_CONSISTENCY=1``,
-  with :func:`enable` / :func:`check_mode`, or when ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is set (an
-  explicit ``MEGATRON_CORE_CHECK_CONSISTENCY=0`` wins). In check mode every collective the package
-  issues first calls :func:`check_collective` (an :func:`agree` on its inputs).
+* The switch (switch.py, :class:`CheckMode`): by default (``WINDOW``) the first collectives of
+  each group -- 4096 by default, a training iteration of usual models -- first call
+  :func:`check_collective` (an :func:`agree` on their inputs), then none (NOTE [ Check window ]
+  in switch.py). Check mode (``ALWAYS``: ``MEGATRON_CORE_CHECK_CONSISTENCY=1``, :func:`enable`,
+  :func:`check_mode`, or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) agrees every collective; ``OFF``
+  (``MEGATRON_CORE_CHECK_CONSISTENCY=0``, :func:`disable`) none.
 
-Cost of check mode: one extra 128-byte all_gather (per rank) before each collective, plus a few
+Cost of a check: one extra 128-byte all_gather (per rank) before the collective, plus a few
 microseconds of Python; a latency cost, independent of the tensor size. Measured with
 ``scripts/benchmark_consistency.py`` (BENCHMARKS.md, "Consistency check"; gloo / CPU, loaded
 2-core VM): a checked small all-reduce takes 2.0x an unchecked one at 2 ranks (1.6x at 4), a
-4 MiB one 1.16x (1.32x at 4); torch's DETAIL wrapper took 5.7x / 1.6x in the same runs. With
-check mode off the hook costs about 0.25 us per collective.
+4 MiB one 1.16x (1.32x at 4); torch's DETAIL wrapper took 5.7x / 1.6x in the same runs. An
+unchecked collective (off, or after the window) pays about 1 us for the switch.
 
 torch's own machinery: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps the groups created
 while it is set and compares a fingerprint (op type, shapes, dtypes) before each raw collective,
@@ -38,7 +40,10 @@ those, and :func:`collective_failed` turns torch's errors (that mismatch, a time
    Data-dependent sizes (the readable values, error texts) are exchanged only after every rank
    has seen the same fixed-size result and decided, identically, to exchange them.
 2. Every rank decides from the same gathered table, so every rank raises the same message or
-   none raises: no rank is left in a collective its peers never enter.
+   none raises: no rank is left in a collective its peers never enter. The same table closes
+   a group's check window on every member alike (its last slot, not compared: NOTE [ Check
+   window ] in switch.py, rule 4); the compared arguments include each rank's consistency mode
+   and window size.
 3. Checks run BEFORE the local validation of a collective's inputs: once shapes and arguments
    agree, a local check that depends only on them fails on every rank alike.
 4. A local check that depends on per-rank data (a rank's own rows against its split size, the
@@ -49,13 +54,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from megatron_core.consistency import text as _text
+from megatron_core.consistency.switch import (
+    CheckMode,
+    close_window,
+    mode,
+    should_check,
+    window_size,
+    windows_done,
+)
 from megatron_core.errors import CollectiveError, MegatronCoreError, RankDisagreementError
 from megatron_core.parallel_state.agreement import (
     SLOTS as _SLOTS,  # NOTE [ Agree before acting ], 1
@@ -66,14 +78,8 @@ from megatron_core.parallel_state.agreement import hash_text as _hash_text
 describe_group = _text.describe_group  # public: "the tensor-model-parallel group (...)"
 
 __all__ = [
-    "CHECK_ENV",
     "RankDisagreementError",
     "CollectiveError",
-    "is_enabled",
-    "enable",
-    "disable",
-    "set_enabled",
-    "check_mode",
     "agree",
     "check_collective",
     "check_ids",
@@ -85,69 +91,26 @@ __all__ = [
     "describe_group",
 ]
 
-CHECK_ENV = "MEGATRON_CORE_CHECK_CONSISTENCY"
 _MAX_DIMS = 8  # shape dimensions stored as such; more are hashed
-_FAILED_SLOT = 14  # [magic, op, dtype, ndim, 8 dims, more dims, args, failed, 0]
+_FAILED_SLOT = 14  # [magic, op, dtype, ndim, 8 dims, more dims, args, failed, window done]
+_DONE_SLOT = 15  # this rank's windows are done (NOTE [ Check window ], rule 4); not compared
 _MAGIC = 0x4D435F4147524545  # "MC_AGREE": a rank in another exchange shows up as a mismatch
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-# --- the switch ------------------------------------------------------------------------------
-
-_OVERRIDE: list[bool | None] = [None]
-
-
-def is_enabled() -> bool:
-    """True in check mode: set by :func:`enable` / :func:`disable`, else by the environment
-    variable ``MEGATRON_CORE_CHECK_CONSISTENCY`` (1/true/yes/on or 0/false/no/off), else on when
-    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``."""
-    if _OVERRIDE[0] is not None:
-        return _OVERRIDE[0]
-    value = os.environ.get(CHECK_ENV, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL"
-
-
-def set_enabled(enabled: bool | None) -> bool | None:
-    """Force check mode on (True) or off (False) in this process, or None to follow the
-    environment again; returns the previous setting."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise MegatronCoreError(f"set_enabled: enabled ({enabled!r}) must be True, False or None")
-    previous, _OVERRIDE[0] = _OVERRIDE[0], enabled
-    return previous
-
-
-def enable() -> None:
-    """Turn check mode on in this process (every rank must do the same)."""
-    set_enabled(True)
-
-
-def disable() -> None:
-    """Turn check mode off in this process (every rank must do the same)."""
-    set_enabled(False)
-
-
-@contextlib.contextmanager
-def check_mode(enabled: bool = True) -> Iterator[None]:
-    """Context manager: check mode on (or off) inside the block, the previous setting after."""
-    previous = set_enabled(enabled)
-    try:
-        yield
-    finally:
-        set_enabled(previous)
 
 
 # --- the exchange ----------------------------------------------------------------------------
 
 
-def _exchange(values: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather ``values`` (the same length on every rank) -> [group size, len] int64 (cpu)."""
-    with named_failures("the consistency check's all-gather", group):
+def _exchange(values: list[int], group: dist.ProcessGroup, op: str) -> torch.Tensor:
+    """All-gather ``values`` (the same length on every rank) -> [group size, len] int64 (cpu);
+    a failure (a peer that never comes: the group timeout) names the check and ``op``."""
+    with named_failures(f"the consistency check's all-gather before {op}", group):
         return exchange(values, group)
+
+
+def _exchange_text(text: str, group: dist.ProcessGroup, op: str) -> list[str]:
+    """Every rank's ``text`` (slow path, rule 1), failures named as in :func:`_exchange`."""
+    with named_failures(f"the consistency check's all-gather before {op}", group):
+        return exchange_text(text, group)
 
 
 def _descriptor(op, tensor, shape, dtype, args, failed: bool) -> list[int]:
@@ -199,12 +162,19 @@ def agree(
         return
     if content is not None:
         args = {**args, "content checksum": _text.checksum(content)}
-    table = _exchange(_descriptor(op, tensor, shape, dtype, args, error is not None), group)
+    # Ranks in different modes or windows would stop checking at different collectives.
+    args["consistency mode"] = f"{mode().value}, window {window_size()}"
+    values = _descriptor(op, tensor, shape, dtype, args, error is not None)
+    values[_DONE_SLOT] = int(windows_done())
+    table = _exchange(values, group, op)
+    if bool(table[:, _DONE_SLOT].any()):  # the same table on every rank: closed alike
+        close_window(group)
+    table = table[:, :_DONE_SLOT]
     failed = bool(table[:, _FAILED_SLOT].any())
     if not failed and bool((table == table[0]).all()):
         return
     readable = json.dumps(_text.readable(op, tensor, shape, dtype, args, error))
-    per_rank = [json.loads(text) for text in exchange_text(readable, group)]
+    per_rank = [json.loads(text) for text in _exchange_text(readable, group, op)]
     raise RankDisagreementError(_text.message(op, group, per_rank)) from error
 
 
@@ -218,25 +188,36 @@ def check_collective(
     content: torch.Tensor | None = None,
     **args,
 ) -> None:
-    """In check mode, :func:`agree` on ``op``, the tensor's shape / dtype, ``args`` and
-    ``content`` across ``group``; otherwise return at once (no checksum is computed). Called at
-    the top of each collective of the package."""
-    if is_enabled() and dist.get_world_size(group) > 1:
+    """:func:`agree` on ``op``, the tensor's shape / dtype, ``args`` and ``content`` across
+    ``group`` when the mode says so (``should_check``: always in check mode, within the group's
+    window by default, NOTE [ Check window ] in switch.py); otherwise return at once (no checksum
+    is computed). Called at the top of each collective of the package."""
+    if should_check(group):
         agree(op, group, tensor, shape=shape, dtype=dtype, content=content, **args)
 
 
+def _ids_outside(op: str, ids: torch.Tensor, limit: int) -> MegatronCoreError | None:
+    if ids.numel() == 0:
+        return None
+    low, high = torch.stack(list(torch.aminmax(ids))).tolist()  # one device sync
+    if low >= 0 and high < limit:
+        return None
+    bad = ids[(ids < 0) | (ids >= limit)].unique()[:8].tolist()
+    return MegatronCoreError(f"{op}: ids {bad} are outside [0, vocabulary size ({limit}))")
+
+
 def check_ids(op: str, group: dist.ProcessGroup, ids: torch.Tensor, limit: int) -> None:
-    """In check mode: token ``ids`` must lie in ``[0, limit)`` and be equal on every rank of
-    ``group`` (a vocab-parallel embedding sums every rank's part for the same ids); else every
-    rank raises a RankDisagreementError naming the values. Outside check mode: nothing."""
-    if not is_enabled():
-        return
-    error = None
-    outside = (ids < 0) | (ids >= limit)
-    if bool(outside.any()):
-        bad = ids[outside].unique()[:8].tolist()
-        error = MegatronCoreError(f"{op}: ids {bad} are outside [0, vocabulary size ({limit}))")
-    agree(op, group, ids, error=error, content=ids, limit=limit)
+    """Token ``ids`` must lie in ``[0, limit)``, and (when agreed: check mode, or the group's
+    window) be equal on every rank of ``group``, since a vocab-parallel embedding sums every
+    rank's part for the same ids. Agreed: every rank raises a RankDisagreementError naming the
+    values. After the window: a local range check (one min/max and one device sync; the ids are
+    the same on every rank, so every rank raises alike). Mode OFF: nothing (zero vectors)."""
+    if should_check(group):
+        agree(op, group, ids, error=_ids_outside(op, ids, limit), content=ids, limit=limit)
+    elif mode() is not CheckMode.OFF:
+        error = _ids_outside(op, ids, limit)
+        if error is not None:
+            raise error
 
 
 @contextlib.contextmanager
@@ -293,7 +274,7 @@ def agreed_splits(
         if error is not None:
             raise error
         return in_sizes, out_sizes
-    table = _exchange([int(error is not None), *in_sizes, *out_sizes], group)
+    table = _exchange([int(error is not None), *in_sizes, *out_sizes], group, op)
     if bool(table[:, 0].any()):
         agree(op, group, error=error)  # every rank takes this branch: the error texts travel
     sent, expected = table[:, 1 : 1 + size], table[:, 1 + size :]

@@ -7,19 +7,37 @@ own parameters. Before the optimizer step:
    weight/bias, position embeddings under SP) saw only this rank's part of the sequence; its
    gradient is summed over the tensor-parallel group.
 2. Data-parallel grads: every gradient is averaged over the data-parallel group (summed instead
-   when ``num_tokens`` is given: rule 4 divides by the global token count). A chunk that has its
-   own ``finish_grad_sync()`` (a DDP wrapper) does this itself.
+   when ``num_tokens`` is given: rule 4 divides by the global token count). Expert parameters
+   (``allreduce = False``) differ between expert-parallel ranks: they are summed over the
+   expert-data-parallel group and divided by the (dense) data-parallel size, as megatron-core's
+   DDP scales them, since their gradients already hold the tokens of every rank they were routed
+   from. A chunk that has its own ``finish_grad_sync()`` (a DDP wrapper) does this itself.
 3. Tied embeddings: with pp > 1 the word embedding lives on the first stage and its copy (the
    output layer's weight) on the last; their gradients are summed over the embedding group so both
    copies take the same step and stay equal. The copy is marked ``shared = True`` so that grad
    norms and parameter counts see the tied weight once.
 4. ``num_tokens`` (per-token loss): the last stage's count is broadcast over the pipeline, summed
    over data-parallel ranks, and every gradient is divided by it.
-The order (TP, DP, embeddings) is the one megatron_core's training loop used before pipelining,
-so pp = 1 runs reduce in the same order as before.
+5. Other TP-replicated parameters (megatron-core's rules): a parameter marked
+   ``average_gradients_across_tp_domain`` is averaged over the tensor-parallel group; with
+   ``config.qk_layernorm`` the ``q_layernorm`` / ``k_layernorm`` parameters (each TP rank saw
+   its own heads) are summed over it.
+6. Order. A chunk wrapped in megatron-core's DistributedDataParallel (it has
+   ``finish_grad_sync``) finishes its data-parallel reduction first, as megatron-core does: its
+   reduction may still be in flight (``overlap_grad_reduce``) on the very buffers rules 1 and 5
+   then reduce. Plain chunks keep megatron_core's older order (TP, DP, embeddings), so their
+   runs reduce exactly as before. ``num_tokens`` scaling uses a wrapper's ``scale_gradients``.
+7. MoE router state (megatron-core's TransformerConfig; chunks read through ``.config``): with
+   ``moe_router_enable_expert_bias`` every router's ``expert_bias`` takes one step of
+   ``moe_router_bias_update_rate`` towards balance — the tokens each expert got this step,
+   summed over the tensor x context x data-parallel group, are compared with their mean and the
+   bias moves by the rate times the sign of (mean - count) — and then the per-step statistics are
+   cleared (``reset_model_temporary_tensors``).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -95,6 +113,78 @@ def _allreduce_embedding_grads(model: list[torch.nn.Module], pg_collection) -> N
     _flat_all_reduce(grads, group, None)
 
 
+def _update_router_expert_bias(model: list[torch.nn.Module], config) -> None:
+    """NOTE [ Gradient finalization ], rule 7: one balancing step of every router's bias."""
+    counts, biases = [], []
+    for chunk in model:
+        for module in chunk.modules():
+            if hasattr(module, "expert_bias") and module.expert_bias is not None:
+                counts.append(module.local_tokens_per_expert)
+                biases.append(module.expert_bias)
+    if not biases:  # a model whose MoE layers are on other stages, or none
+        return
+    with torch.no_grad():
+        total = torch.stack(counts).to(torch.float32)
+        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        consistency.checked_all_reduce("finalize_model_grads expert tokens", total, group)
+        offset = total.mean(dim=-1, keepdim=True) - total
+        step = torch.sign(offset) * config.moe_router_bias_update_rate
+        for bias, change in zip(biases, step):
+            bias.add_(change.to(bias.dtype))
+
+
+def _finish_grad_sync(chunk, force_all_reduce) -> None:
+    """A DDP wrapper's data-parallel reduction (rule 6), passing ``force_all_reduce`` where its
+    ``finish_grad_sync`` takes it (megatron-core 0.16.1's does)."""
+    if "force_all_reduce" in inspect.signature(chunk.finish_grad_sync).parameters:
+        chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
+    else:
+        chunk.finish_grad_sync()
+
+
+def _allreduce_tensor_parallel_replicas(chunk: torch.nn.Module, tp_group) -> None:
+    """NOTE [ Gradient finalization ], rule 5."""
+    if dist.get_world_size(tp_group) == 1:
+        return
+    config = getattr(chunk, "config", None)
+    qk_layernorm = bool(getattr(config, "qk_layernorm", False))
+    summed, averaged = [], []
+    for name, param in chunk.named_parameters():
+        if not param.requires_grad or _grad(param) is None:
+            continue
+        if getattr(param, "average_gradients_across_tp_domain", False):
+            averaged.append(_grad(param))
+        elif getattr(param, "sequence_parallel", False):
+            continue  # rule 1 summed it already
+        elif qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name):
+            summed.append(_grad(param))
+    if summed:
+        _flat_all_reduce(summed, tp_group, None)
+    if averaged:
+        _flat_all_reduce(averaged, tp_group, 1 / dist.get_world_size(tp_group))
+
+
+def _allreduce_data_parallel_grads(chunk, dp_group, pg_collection, average: bool) -> None:
+    """NOTE [ Gradient finalization ], rule 2, for a chunk without a DDP wrapper."""
+    dp_size = dist.get_world_size(dp_group)
+    scale = 1 / dp_size if average else None
+    dense, expert = [], []
+    for param in chunk.parameters():
+        if _grad(param) is not None:
+            (expert if getattr(param, "allreduce", True) is False else dense).append(_grad(param))
+    if dense and dp_size > 1:
+        _flat_all_reduce(dense, dp_group, scale)
+    if expert:
+        expert_dp_group = _group(
+            pg_collection, "expt_dp", parallel_state.get_expert_data_parallel_group
+        )
+        if dist.get_world_size(expert_dp_group) > 1:
+            _flat_all_reduce(expert, expert_dp_group, scale)
+        elif scale is not None and scale != 1:
+            for grad in expert:
+                grad.mul_(scale)
+
+
 def finalize_model_grads(
     model: list[torch.nn.Module],
     num_tokens: torch.Tensor | None = None,
@@ -112,7 +202,8 @@ def finalize_model_grads(
             stage), or None for a loss already averaged per microbatch.
         pg_collection: optional object with ``tp``, ``pp``, ``dp_cp`` and ``embd`` groups; absent
             groups come from parallel_state.
-        force_all_reduce: accepted for megatron-core compatibility (always all-reduce here).
+        force_all_reduce: passed to a DDP wrapper's ``finish_grad_sync`` (all-reduce instead of
+            the distributed optimizer's reduce-scatter); plain chunks always all-reduce.
     """
     if isinstance(model, torch.nn.Module):
         model = [model]
@@ -122,17 +213,21 @@ def finalize_model_grads(
         "dp_cp",
         lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
     )
-    for chunk in model:  # rule 1
-        allreduce_sequence_parallel_grads(chunk, tp_group)
-    dp_size = dist.get_world_size(dp_group)
-    for chunk in model:  # rule 2
+    for chunk in model:  # rule 6: a DDP wrapper's reduction first
         if hasattr(chunk, "finish_grad_sync"):
-            chunk.finish_grad_sync()
-        elif dp_size > 1:
-            grads = [_grad(p) for p in chunk.parameters() if _grad(p) is not None]
-            if grads:
-                _flat_all_reduce(grads, dp_group, None if num_tokens is not None else 1 / dp_size)
+            _finish_grad_sync(chunk, force_all_reduce)
+    for chunk in model:  # rules 1 and 5
+        allreduce_sequence_parallel_grads(chunk, tp_group)
+        _allreduce_tensor_parallel_replicas(chunk, tp_group)
+    for chunk in model:  # rule 2
+        if not hasattr(chunk, "finish_grad_sync"):
+            _allreduce_data_parallel_grads(chunk, dp_group, pg_collection, num_tokens is None)
     _allreduce_embedding_grads(model, pg_collection)  # rule 3
+    config = getattr(model[0], "config", None)
+    if config is not None:  # rule 7
+        if getattr(config, "moe_router_enable_expert_bias", False):
+            _update_router_expert_bias(model, config)
+        reset_model_temporary_tensors(config, model)
     if num_tokens is not None:  # rule 4
         pp_group = _group(pg_collection, "pp", parallel_state.get_pipeline_model_parallel_group)
         ranks = dist.get_process_group_ranks(pp_group)
@@ -141,6 +236,9 @@ def finalize_model_grads(
         consistency.checked_all_reduce("finalize_model_grads num_tokens", count, dp_group)
         scale = 1.0 / max(count.item(), 1.0)
         for chunk in model:
+            if hasattr(chunk, "scale_gradients"):  # a DDP wrapper scales its buffers
+                chunk.scale_gradients(scale)
+                continue
             for p in chunk.parameters():
                 if _grad(p) is not None:
                     _grad(p).mul_(scale)

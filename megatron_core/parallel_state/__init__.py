@@ -10,6 +10,7 @@ the package is built in layers, each file one idea:
 * groups.py: create / reuse process groups (NCCL options, hierarchical cp, hybrid dp-cp).
 * create.py: build every group of a layout into a new state.
 * initialize.py: ``initialize_model_parallel`` / ``destroy_model_parallel``.
+* all_gather_groups.py: ``create_all_gather_groups`` (megatron-core 0.18).
 * getters_dense.py, getters_expert.py, getters_pipeline.py: megatron-core's getters and setters,
   which raise :class:`~megatron_core.errors.MegatronCoreError` (an ``AssertionError`` too) where
   megatron-core asserts.
@@ -67,6 +68,7 @@ the package is built in layers, each file one idea:
 
 import sys as _sys
 
+from megatron_core.parallel_state.all_gather_groups import create_all_gather_groups
 from megatron_core.parallel_state.getters_dense import *  # noqa: F403
 from megatron_core.parallel_state.getters_dense import __all__ as _dense_names
 from megatron_core.parallel_state.getters_expert import *  # noqa: F403
@@ -129,6 +131,8 @@ __all__ = [
     "create_group",
     "create_hierarchical_groups",
     "create_hybrid_dp_cp_groups",
+    # all_gather_groups.py (megatron-core 0.18)
+    "create_all_gather_groups",
     # initialize.py
     "initialize_model_parallel",
     "destroy_model_parallel",

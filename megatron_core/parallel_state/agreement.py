@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,12 +23,31 @@ import torch.distributed as dist
 from megatron_core import device
 from megatron_core.errors import CollectiveError, RankDisagreementError
 
-__all__ = ["SLOTS", "hash_text", "exchange", "exchange_text", "agree_on_arguments"]
+__all__ = [
+    "SLOTS",
+    "hash_text",
+    "exchange",
+    "exchange_text",
+    "agree_on_arguments",
+    "add_agreed_setting",
+]
 
 SLOTS = 16  # int64 values per rank in every exchange
 _ARGUMENTS_MAGIC = 0x4D435F494E495431  # "MC_INIT1": a rank in another exchange shows as a mismatch
 # torch 2.13 renamed all_gather_into_tensor (the old name warns).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# Process-wide settings every rank must share, compared by every agree_on_arguments: name ->
+# a function returning the readable value (megatron_core.consistency adds its mode and window).
+_SETTINGS: dict[str, Callable[[], str]] = {}
+
+
+def add_agreed_setting(name: str, value: Callable[[], str]) -> None:
+    """Compare ``value()`` across WORLD in every :func:`agree_on_arguments` (e.g. at
+    ``initialize_model_parallel``), under ``name``: a setting that must be the same on every
+    rank although no argument carries it."""
+    _SETTINGS[name] = value
 
 
 @functools.lru_cache(maxsize=4096)
@@ -80,6 +100,7 @@ def agree_on_arguments(op: str, arguments: dict[str, str]) -> None:
     world = dist.group.WORLD
     if dist.get_world_size(world) == 1:
         return
+    arguments = {**arguments, **{name: value() for name, value in _SETTINGS.items()}}
     digest = hash_text(repr(sorted(arguments.items())))
     try:
         table = exchange([_ARGUMENTS_MAGIC, hash_text(op), digest] + [0] * (SLOTS - 3), world)

@@ -147,6 +147,8 @@ _NCCL_NAMES = {
     "intra-expt-dp": "intra_ep_dp",
     "inter-dist-opt": "inter_ep_dp",
     "intra-dist-opt": "intra_dist_opt_instance",
+    "gtp-remat": "gtp_remat",
+    "expt-gtp-remat": "expt_gtp_remat",
 }
 _GLOO_KINDS = ("dp-cp", "intra-dp-cp", "dp", "expt-dp", "intra-expt-dp")
 # With one distributed-optimizer instance the partial groups ARE the full ones (as in 0.16).
@@ -194,8 +196,9 @@ def create_groups(state, layout: dict[str, list[list[int]]], options, sizes) -> 
                     state.ranks["dp-cp-ag"], state.groups["dp-cp-ag"] = list(ranks), group
         if kind in _GLOO_KINDS and options.gloo:
             _create_gloo(state, layout, kind, options)
-    state.ranks["dp-modulo-ep"] = state.ranks["expt-dp"]
-    state.groups["dp-modulo-ep"] = state.groups["expt-dp"]
+    if "expt-dp" in state.groups:  # not on a rank outside rank_offset + local_world_size
+        state.ranks["dp-modulo-ep"] = state.ranks["expt-dp"]
+        state.groups["dp-modulo-ep"] = state.groups["expt-dp"]
     levels = sorted(k for k in extra if k.startswith("hcp-") and k in state.groups)
     if levels:
         state.hierarchical_cp_groups = [state.groups[k] for k in levels]
@@ -222,6 +225,8 @@ def _ucc_environment() -> None:
 
 
 def _alias(state, kind: str, full: str) -> None:
+    if full not in state.groups:  # a rank outside rank_offset + local_world_size
+        return
     state.ranks[kind], state.groups[kind] = state.ranks[full], state.groups[full]
     if full in state.gloo_groups:
         state.gloo_groups[kind] = state.gloo_groups[full]

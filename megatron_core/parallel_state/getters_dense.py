@@ -43,6 +43,11 @@ __all__ = [
     "get_context_parallel_rank",
     "get_tensor_and_context_parallel_world_size",
     "get_tensor_and_context_parallel_rank",
+    # megatron-core 0.19 (generalized TP: groups of one rank, the remat size being 1)
+    "get_gtp_weight_remat_group",
+    "get_gtp_weight_remat_world_size",
+    "get_gtp_weight_remat_rank",
+    "get_gtp_weight_remat_global_ranks",
     # extensions (not in megatron-core 0.16)
     "get_tensor_model_parallel_global_ranks",
     "get_model_parallel_rank",
@@ -84,7 +89,11 @@ def get_tensor_model_parallel_group(check_initialized=True):
 
 
 def get_data_parallel_group(
-    with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False
+    with_context_parallel=False,
+    partial_data_parallel=False,
+    independent_all_gather=False,
+    *,
+    with_gtp_remat=True,
 ):
     """The data-parallel group (replicas of the same model shard).
 
@@ -94,6 +103,8 @@ def get_data_parallel_group(
             instance's part of it (the whole group with one instance).
         independent_all_gather: with context parallel only: the separate all-gather group over
             the same ranks (initialize_model_parallel(create_all_gather_group=True)).
+        with_gtp_remat: (megatron-core 0.19) include the generalized-TP remat ranks; the same
+            group here, where the remat size is 1.
     """
     kind = _dp_kind(with_context_parallel, partial_data_parallel)
     if kind == "dp-cp" and independent_all_gather:
@@ -222,8 +233,11 @@ def get_data_parallel_src_rank(with_context_parallel=False):
     return _state().member_ranks("dp-cp" if with_context_parallel else "dp")[0]
 
 
-def get_data_parallel_world_size(with_context_parallel=False, partial_data_parallel=False):
-    """Data-parallel size dp (dp * cp with context folded in); 0 without torch.distributed."""
+def get_data_parallel_world_size(
+    with_context_parallel=False, partial_data_parallel=False, *, with_gtp_remat=True
+):
+    """Data-parallel size dp (dp * cp with context folded in); 0 without torch.distributed.
+    ``with_gtp_remat`` (0.19) changes nothing at remat size 1."""
     override = _state().overrides.get("dp_size")
     if override is not None:
         return override
@@ -237,8 +251,11 @@ def set_data_parallel_rank(rank):
     _state().overrides["dp_rank"] = rank
 
 
-def get_data_parallel_rank(with_context_parallel=False, partial_data_parallel=False):
-    """This rank's index in its data-parallel group; 0 without torch.distributed."""
+def get_data_parallel_rank(
+    with_context_parallel=False, partial_data_parallel=False, *, with_gtp_remat=True
+):
+    """This rank's index in its data-parallel group; 0 without torch.distributed.
+    ``with_gtp_remat`` (0.19) changes nothing at remat size 1."""
     override = _state().overrides.get("dp_rank")
     if override is not None:
         return override
@@ -283,3 +300,33 @@ def get_model_parallel_rank() -> int:
 def get_model_parallel_world_size() -> int:
     """tp * pp (not in 0.16)."""
     return _state().size_of("mp")
+
+
+# --- megatron-core 0.19: generalized-TP weight-remat group (size 1 here) -------------------------
+
+
+def get_gtp_weight_remat_group(check_initialized=True):
+    """This rank's generalized-TP weight-remat group (megatron-core 0.19): just this rank, as
+    remat sizes above 1 are not implemented (model_parallel_config.check_gtp_size)."""
+    return _state().group("gtp-remat", check_initialized)
+
+
+def get_gtp_weight_remat_world_size():
+    """Size of the weight-remat group (1); 0 without torch.distributed or the group."""
+    group = get_gtp_weight_remat_group(check_initialized=False) if _dist_ready() else None
+    return 0 if group is None else group.size()
+
+
+def get_gtp_weight_remat_rank():
+    """This rank's index in its weight-remat group (0)."""
+    group = get_gtp_weight_remat_group(check_initialized=False) if _dist_ready() else None
+    return 0 if group is None else group.rank()
+
+
+def get_gtp_weight_remat_global_ranks(check_initialized=True):
+    """Global ranks of this rank's weight-remat group (``[global_rank]``); None if there is none
+    and ``check_initialized`` is False."""
+    state = _state()
+    if state.group("gtp-remat", check_initialized) is None:
+        return None
+    return state.ranks["gtp-remat"]

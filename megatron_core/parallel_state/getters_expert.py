@@ -44,6 +44,11 @@ __all__ = [
     "get_intra_distributed_optimizer_instance_group",
     "get_inter_distributed_optimizer_instance_group",
     "get_all_ranks",
+    # megatron-core 0.19 (expert generalized TP: groups of one rank, the remat size being 1)
+    "get_expert_gtp_weight_remat_group",
+    "get_expert_gtp_weight_remat_world_size",
+    "get_expert_gtp_weight_remat_rank",
+    "get_expert_gtp_weight_remat_global_ranks",
     # extensions (older megatron-core names, not in 0.16)
     "get_tensor_and_expert_parallel_group",
     "get_tensor_and_expert_parallel_world_size",
@@ -155,17 +160,22 @@ def get_expert_tensor_and_model_parallel_rank():
     return _state().rank_in("tp-ep") if _dist_ready() else 0
 
 
-def get_expert_tensor_model_pipeline_parallel_group(check_initialized=True):
-    """The expert tensor x model x pipeline group (etp * ep * pp ranks)."""
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized=True, with_egtp_remat=False):
+    """The expert tensor x model x pipeline group (etp * ep * pp ranks). ``with_egtp_remat``
+    (0.19) would merge the expert weight-remat ranks in: the same group at remat size 1."""
     return _state().group("tp-ep-pp", check_initialized)
 
 
-def get_expert_data_parallel_group(check_initialized=True, partial_expert_data_parallel=False):
+def get_expert_data_parallel_group(
+    check_initialized=True, partial_expert_data_parallel=False, *, with_gtp_remat=True
+):
     """Replicas of the same expert shard: world / (etp * ep * pp) ranks, context folded in.
 
     Args:
         check_initialized: raise if there is no such group (False: return None).
         partial_expert_data_parallel: only this rank's distributed-optimizer instance's part.
+        with_gtp_remat: (megatron-core 0.19) include the expert weight-remat ranks; the same
+            group at remat size 1.
     """
     return _state().group(_expert_dp_kind(partial_expert_data_parallel), check_initialized)
 
@@ -195,13 +205,13 @@ def get_expert_data_parallel_group_gloo(partial_expert_data_parallel=False):
     return state.gloo_groups[kind]
 
 
-def get_expert_data_parallel_rank(partial_expert_data_parallel=False):
+def get_expert_data_parallel_rank(partial_expert_data_parallel=False, *, with_gtp_remat=True):
     """This rank's index in its expert data-parallel group; 0 without torch.distributed."""
     kind = _expert_dp_kind(partial_expert_data_parallel)
     return _state().rank_in(kind) if _dist_ready() else 0
 
 
-def get_expert_data_parallel_world_size(partial_expert_data_parallel=False):
+def get_expert_data_parallel_world_size(partial_expert_data_parallel=False, *, with_gtp_remat=True):
     """Expert data-parallel size world / (etp * ep * pp); 0 without torch.distributed."""
     kind = _expert_dp_kind(partial_expert_data_parallel)
     return _state().size_of(kind) if _dist_ready() else 0
@@ -250,3 +260,32 @@ def get_data_modulo_expert_parallel_rank(partial_expert_data_parallel=False):
 def get_data_modulo_expert_parallel_world_size(partial_expert_data_parallel=False):
     """Older name of get_expert_data_parallel_world_size (not in 0.16)."""
     return get_expert_data_parallel_world_size(partial_expert_data_parallel)
+
+
+# --- megatron-core 0.19: expert generalized-TP weight-remat group (size 1 here) ------------------
+
+
+def get_expert_gtp_weight_remat_group(check_initialized=True):
+    """This rank's expert weight-remat group (megatron-core 0.19): just this rank."""
+    return _state().group("expt-gtp-remat", check_initialized)
+
+
+def get_expert_gtp_weight_remat_world_size():
+    """Size of the expert weight-remat group (1); 0 without torch.distributed or the group."""
+    group = get_expert_gtp_weight_remat_group(check_initialized=False) if _dist_ready() else None
+    return 0 if group is None else group.size()
+
+
+def get_expert_gtp_weight_remat_rank():
+    """This rank's index in its expert weight-remat group (0)."""
+    group = get_expert_gtp_weight_remat_group(check_initialized=False) if _dist_ready() else None
+    return 0 if group is None else group.rank()
+
+
+def get_expert_gtp_weight_remat_global_ranks(check_initialized=True):
+    """Global ranks of this rank's expert weight-remat group; None if there is none and
+    ``check_initialized`` is False."""
+    state = _state()
+    if state.group("expt-gtp-remat", check_initialized) is None:
+        return None
+    return state.ranks["expt-gtp-remat"]

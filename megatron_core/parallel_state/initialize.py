@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.model_parallel_config import check_gtp_size
 from megatron_core.parallel_state.agreement import agree_on_arguments
 from megatron_core.parallel_state.create import create_groups, validated_options
 from megatron_core.parallel_state.groups import reset_process_group_list
@@ -51,6 +52,10 @@ def initialize_model_parallel(
     create_all_gather_group: bool | None = False,
     *,
     pipeline_model_parallel_split_rank: int | None = None,
+    gtp_remat_size: int = 1,
+    expert_gtp_remat_size: int = 1,
+    rank_offset: int = 0,
+    local_world_size: int | None = None,
 ) -> None:
     """Create every model-parallel process group from the two rank grids (megatron-core 0.16).
 
@@ -98,6 +103,13 @@ def initialize_model_parallel(
             for all-gathers that should not queue behind reduce-scatters.
         pipeline_model_parallel_split_rank: (extension, keyword only) encoder/decoder split
             stage; it joins the embedding groups. Exclusive with get_embedding_ranks.
+        gtp_remat_size / expert_gtp_remat_size: (megatron-core 0.19, keyword only here) the
+            generalized-TP weight-remat sizes; only 1 is supported (ConfigError otherwise). The
+            remat groups then hold one rank each (get_gtp_weight_remat_group).
+        rank_offset / local_world_size: (megatron-core 0.17, keyword only here) lay the grids
+            over global ranks ``rank_offset .. rank_offset + local_world_size - 1`` (default:
+            from 0, the whole world). Every rank still calls this with the same arguments; a
+            rank outside that range belongs to no model-parallel group.
 
     Raises:
         MegatronCoreError: torch.distributed not initialized, already initialized, or a bad value.
@@ -117,8 +129,10 @@ def initialize_model_parallel(
             raise MegatronCoreError(
                 "initialize_model_parallel called twice: call destroy_model_parallel() first"
             )
+        check_gtp_size("gtp_remat_size", gtp_remat_size)
+        check_gtp_size("expert_gtp_remat_size", expert_gtp_remat_size)
         sizes = validate_sizes(
-            world_size,
+            _local_world_size(world_size, rank_offset, local_world_size),
             tensor_model_parallel_size,
             pipeline_model_parallel_size,
             context_parallel_size,
@@ -126,6 +140,7 @@ def initialize_model_parallel(
             expert_tensor_parallel_size,
             order,
             num_distributed_optimizer_instances,
+            rank_offset,
         )
         _validate_virtual_pipeline(
             virtual_pipeline_model_parallel_size, pipeline_model_parallel_size
@@ -164,6 +179,21 @@ def initialize_model_parallel(
     state.memory_buffer = GlobalMemoryBuffer()
     state.sizes = sizes
     _replace_state(state)
+
+
+def _local_world_size(world_size: int, rank_offset, local_world_size) -> int:
+    """The ranks the grids cover (megatron-core 0.17's rank_offset / local_world_size)."""
+    if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
+        raise MegatronCoreError(f"rank_offset ({rank_offset!r}) must be an integer >= 0")
+    local = world_size - rank_offset if local_world_size is None else local_world_size
+    if isinstance(local, bool) or not isinstance(local, int) or local < 1:
+        raise MegatronCoreError(f"local_world_size ({local_world_size!r}) must be an integer >= 1")
+    if rank_offset + local > world_size:
+        raise MegatronCoreError(
+            f"rank_offset ({rank_offset}) + local_world_size ({local}) exceeds the world size "
+            f"({world_size})"
+        )
+    return local
 
 
 def _validate_virtual_pipeline(vpp, pp) -> None:

@@ -59,14 +59,17 @@ class ParallelSizes:
     expert_dp: int
     order: str
     num_distributed_optimizer_instances: int = 1
+    rank_offset: int = 0
 
     def dense_grid(self) -> RankGenerator:
         """The dense grid: tp, cp, dp, pp (rule 4)."""
-        return RankGenerator(self.tp, 1, self.dp, self.pp, self.cp, self.order)
+        return RankGenerator(self.tp, 1, self.dp, self.pp, self.cp, self.order, self.rank_offset)
 
     def expert_grid(self) -> RankGenerator:
         """The expert grid: etp on the tp slot, ep, expert-dp on the dp slot, pp (rule 4)."""
-        return RankGenerator(self.etp, self.ep, self.expert_dp, self.pp, 1, self.order)
+        return RankGenerator(
+            self.etp, self.ep, self.expert_dp, self.pp, 1, self.order, self.rank_offset
+        )
 
 
 def _positive_int(name: str, value) -> None:
@@ -83,8 +86,12 @@ def validate_sizes(
     expert_tensor_parallel_size: int | None = None,
     order: str = "tp-cp-ep-dp-pp",
     num_distributed_optimizer_instances: int = 1,
+    rank_offset: int = 0,
 ) -> ParallelSizes:
     """Check every size and divisibility rule of megatron-core 0.16; return the derived degrees.
+
+    ``world_size`` is the number of ranks the grids cover, from global rank ``rank_offset`` on
+    (megatron-core 0.17's ``local_world_size`` and ``rank_offset``).
 
     Raises:
         MegatronCoreError: naming the value and the rule that failed.
@@ -123,7 +130,7 @@ def validate_sizes(
             f"num_distributed_optimizer_instances ({n_opt}) must divide the expert data "
             f"parallel size ({expert_dp} = world {world_size} / (etp {etp} x ep {ep} x pp {pp}))"
         )
-    sizes = ParallelSizes(world_size, tp, pp, cp, dp, ep, etp, expert_dp, order, n_opt)
+    sizes = ParallelSizes(world_size, tp, pp, cp, dp, ep, etp, expert_dp, order, n_opt, rank_offset)
     dense, expert = sizes.dense_grid(), sizes.expert_grid()  # validates the order string
     # The caller's order, as megatron-core checks it: the grids' normalized orders have the
     # omitted size-1 axes appended ("tp-ep-dp-pp" becomes "tp-ep-dp-pp-cp").
@@ -158,11 +165,14 @@ def layout_of(
     "ep", "expt-tp", "tp-ep", "tp-ep-pp", "expt-dp"), "embedding", "position_embedding",
     "intra-dp-cp", "intra-expt-dp", "intra-dist-opt", "inter-dist-opt" (only with more than one
     distributed-optimizer instance), "hcp-<level>" (hierarchical context parallel) and
-    "hybrid-dp-cp-<size>" (hybrid context parallel). "dp-modulo-ep" names "expt-dp" (the older
-    megatron-core name).
+    "hybrid-dp-cp-<size>" (hybrid context parallel), "gtp-remat" / "expt-gtp-remat" (megatron-core
+    0.19's weight-remat groups: one rank each, as the remat size is 1). "dp-modulo-ep" names
+    "expt-dp" (the older megatron-core name).
     """
     grids = {"dense": sizes.dense_grid(), "expert": sizes.expert_grid()}
     layout = {kind: grids[g].get_ranks(token) for kind, (g, token) in _GRID_KINDS.items()}
+    layout["gtp-remat"] = grids["dense"].get_gtp_ranks(1)
+    layout["expt-gtp-remat"] = grids["expert"].get_gtp_ranks(1)
     embedding = get_embedding_ranks or default_embedding_ranks
     position = get_position_embedding_ranks or default_position_embedding_ranks
     layout["embedding"] = [

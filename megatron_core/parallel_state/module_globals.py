@@ -26,7 +26,7 @@ from typing import Any
 
 from megatron_core.parallel_state.state import ParallelState, _state
 
-__all__ = ["MODULE_GLOBALS", "ParallelStateModule"]
+__all__ = ["MODULE_GLOBALS", "MODULE_GLOBALS_0_19", "ParallelStateModule"]
 
 # megatron-core 0.16.1 name -> (where in ParallelState, key). Where: "group" (groups), "gloo"
 # (gloo_groups), "ranks" (ranks), "override" (overrides), "attr" (an attribute).
@@ -92,12 +92,33 @@ _ATTRS = {
     "_GLOBAL_SYMMETRIC_MEMORY_BUFFER": "symmetric_memory_buffer",
 }
 
+# megatron-core 0.19's new globals (generalized TP). At remat size 1, the only size here, 0.19 sets
+# the *_WITH_GTP_REMAT groups to the plain ones and the remat groups to one rank each; so do these
+# (assigning one of the aliases assigns the plain group too).
+_GROUPS_0_19 = {
+    "_GTP_WEIGHT_REMAT_GROUP": "gtp-remat",
+    "_EXPERT_GTP_WEIGHT_REMAT_GROUP": "expt-gtp-remat",
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP": "tp-ep-pp",
+    "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "dp",
+    "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "dp-cp",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "intra-dp-cp",
+    "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "expt-dp",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "intra-expt-dp",
+}
+_RANKS_0_19 = {
+    "_GTP_WEIGHT_REMAT_GLOBAL_RANKS": "gtp-remat",
+    "_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS": "expt-gtp-remat",
+}
+MODULE_GLOBALS_0_19 = frozenset(_GROUPS_0_19) | frozenset(_RANKS_0_19)
+
 MODULE_GLOBALS: dict[str, tuple[str, str]] = {
     **{name: ("groups", key) for name, key in _GROUPS.items()},
     **{name: ("gloo_groups", key) for name, key in _GLOO_GROUPS.items()},
     **{name: ("ranks", key) for name, key in _RANKS.items()},
     **{name: ("overrides", key) for name, key in _OVERRIDES.items()},
     **{name: ("attr", key) for name, key in _ATTRS.items()},
+    **{name: ("groups", key) for name, key in _GROUPS_0_19.items()},
+    **{name: ("ranks", key) for name, key in _RANKS_0_19.items()},
 }
 
 

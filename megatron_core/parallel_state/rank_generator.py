@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.model_parallel_config import check_gtp_size
 
 __all__ = [
     "AXES",
@@ -95,6 +96,8 @@ class RankGenerator:
             has cp, the expert grid ep; rule 4).
         order: axis order, fastest-varying first (e.g. "tp-cp-ep-dp-pp" or "tp-pp-dp").
         rank_offset: added to every rank returned by :meth:`get_ranks`.
+        gtp_remat: megatron-core 0.19's generalized-TP remat axis; only 1 (none) is supported
+            (a larger size raises ConfigError, see model_parallel_config.check_gtp_size).
 
     Attributes:
         world_size: tp * ep * dp * pp * cp.
@@ -108,8 +111,18 @@ class RankGenerator:
     """
 
     def __init__(
-        self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0
+        self,
+        tp: int,
+        ep: int,
+        dp: int,
+        pp: int,
+        cp: int,
+        order: str,
+        rank_offset: int = 0,
+        gtp_remat: int = 1,
     ) -> None:
+        check_gtp_size("RankGenerator: gtp_remat", gtp_remat)
+        self.gtp_remat = gtp_remat
         self.name_to_size = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
         for name, value in self.name_to_size.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -144,6 +157,20 @@ class RankGenerator:
         mask = self.get_mask(self.order, token)
         groups = generate_masked_orthogonal_rank_groups(self.world_size, self.ordered_size, mask)
         return [[r + self.rank_offset for r in group] for group in groups]
+
+    def get_gtp_ranks(self, gtp_remat_size: int) -> list[list[int]]:
+        """The generalized-TP weight-remat groups (megatron-core 0.19): one per rank, holding
+        just that rank, since the remat axis has size 1 (the only size supported here).
+
+        Raises:
+            MegatronCoreError: ``gtp_remat_size`` is not this grid's ``gtp_remat``.
+        """
+        if gtp_remat_size != self.gtp_remat:
+            raise MegatronCoreError(
+                f"gtp_remat_size ({gtp_remat_size}) differs from this grid's gtp_remat "
+                f"({self.gtp_remat})"
+            )
+        return [[r + self.rank_offset] for r in range(self.world_size)]
 
 
 def default_embedding_ranks(pp_ranks: list[int]) -> list[int]:

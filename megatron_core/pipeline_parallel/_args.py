@@ -34,14 +34,17 @@ def get_tensor_shapes(
     micro_batch_size: int,
     decoder_seq_length: int | None,
     config,
-    tp_group,
-    cp_group,
+    tp_group=None,
+    cp_group=None,
 ) -> list[tuple[int, int, int]]:
     """The shapes sent between stages: ``[(s / cp_size (/ tp_size under sequence parallelism),
     micro_batch_size, hidden_size)]``, where s is ``decoder_seq_length`` when given, else
-    ``seq_length``. A None group counts as size 1."""
-    tp_size = tp_group.size() if tp_group is not None else 1
-    cp_size = cp_group.size() if cp_group is not None else 1
+    ``seq_length``. A None group (megatron-core 0.19's default) is parallel_state's."""
+    if tp_group is None or cp_group is None:
+        default_tp, default_cp = parallel_groups(None)
+        tp_group = default_tp if tp_group is None else tp_group
+        cp_group = default_cp if cp_group is None else cp_group
+    tp_size, cp_size = tp_group.size(), cp_group.size()
     return [
         tensor_shape(seq_length, micro_batch_size, decoder_seq_length, config, tp_size, cp_size)
     ]

@@ -39,6 +39,7 @@ __all__ = [
     "forward_step_calc_loss",
     "forward_step",
     "backward_step",
+    "backward_step_multimodule",
     "check_first_val_step",
     "get_tensor_device",
     "get_model_config",
@@ -345,6 +346,36 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type=No
             torch.autograd.backward(output, grad_tensors=grad)
     input_grads = [None if x is None else x.grad for x in inputs]
     return input_grads[0] if unwrap else input_grads
+
+
+def backward_step_multimodule(
+    input_tensor, output_tensor, output_tensor_grad, config, language_model_module_name: str
+) -> dict:
+    """megatron-core 0.19's backward of a multi-module stage: tensors are dicts keyed by module
+    name (a bare output is the loss of ``language_model_module_name``; no ``output_tensor_grad``
+    means the last stage); each module's output runs its own backward. Returns the input
+    gradients by module name (None for an input that is None)."""
+
+    def single(tensor):
+        return tensor[0] if isinstance(tensor, list) else tensor
+
+    inputs = {name: single(t) for name, t in input_tensor.items()}
+    for tensor in inputs.values():
+        if tensor is not None:
+            tensor.retain_grad()
+    if not isinstance(output_tensor, dict):
+        output_tensor = {language_model_module_name: output_tensor}
+    grads = output_tensor_grad or dict.fromkeys(output_tensor)
+    for name, output in output_tensor.items():
+        output, grad = single(output), single(grads[name])
+        if grad is None and option(config, "grad_scale_func") is not None:
+            output = config.grad_scale_func(output)
+        if output is not None and output.requires_grad:
+            if option(config, "deallocate_pipeline_outputs", False):
+                custom_backward(output, grad)
+            else:
+                torch.autograd.backward(output, grad_tensors=grad)
+    return {name: None if t is None else t.grad for name, t in inputs.items()}
 
 
 def check_first_val_step(first_val_step, forward_only, cond):

@@ -88,7 +88,7 @@ class P2PCommunicator:
             matching ], rule 4); None waits as long as the process group allows.
     """
 
-    def __init__(self, pp_group, config, timeout: datetime.timedelta | None = None):
+    def __init__(self, pp_group, config, *, timeout: datetime.timedelta | None = None):
         if pp_group is None:
             raise MegatronCoreError("P2PCommunicator: pp_group is None")
         self.pp_group = pp_group

@@ -50,6 +50,7 @@ from megatron_core.pipeline_parallel._one_f_one_b import OneFOneB
 from megatron_core.pipeline_parallel._plan import get_pp_rank_microbatches, get_schedule_table
 from megatron_core.pipeline_parallel._steps import (
     backward_step,
+    backward_step_multimodule,
     check_first_val_step,
     custom_backward,
     deallocate_output_tensor,
@@ -76,6 +77,7 @@ __all__ = [
     "forward_step_calc_loss",
     "forward_step",
     "backward_step",
+    "backward_step_multimodule",
     "check_first_val_step",
     "clear_embedding_activation_buffer",
     "finish_embedding_wgrad_compute",

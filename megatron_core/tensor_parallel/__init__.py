@@ -63,9 +63,11 @@ from megatron_core.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     allreduce_sequence_parallel_grads,
+    copy_gtp_attributes,
     copy_tensor_model_parallel_attributes,
     linear_with_frozen_weight,
     linear_with_grad_accumulation_and_async_allreduce,
+    param_is_not_gtp_duplicate,
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
@@ -84,15 +86,22 @@ __all__ += [
     "copy_tensor_model_parallel_attributes",
     "param_is_not_tensor_parallel_duplicate",
     "allreduce_sequence_parallel_grads",
+    "copy_gtp_attributes",  # megatron-core 0.19
+    "param_is_not_gtp_duplicate",  # megatron-core 0.19
 ]
 
 # From inference_layers.py: the inference layers (Transformer Engine ones in megatron-core)
 from megatron_core.tensor_parallel.inference_layers import (
+    InferenceColumnParallelLinear,
     InferenceLayerNormColumnParallelLinear,
     InferenceRowParallelLinear,
 )
 
-__all__ += ["InferenceLayerNormColumnParallelLinear", "InferenceRowParallelLinear"]
+__all__ += [
+    "InferenceLayerNormColumnParallelLinear",
+    "InferenceRowParallelLinear",
+    "InferenceColumnParallelLinear",  # megatron-core 0.19
+]
 
 # From cross_entropy.py: the vocabulary-parallel cross entropy
 from megatron_core.tensor_parallel.cross_entropy import (
@@ -117,6 +126,7 @@ from megatron_core.tensor_parallel.random import (
     get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
+    get_gtp_remat_rng_tracker_name,
     get_model_parallel_rng_tracker_name,
     get_rng_snapshot,
     initialize_rng_tracker,
@@ -139,6 +149,7 @@ __all__ += [
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
+    "get_gtp_remat_rng_tracker_name",  # megatron-core 0.19
     "get_model_parallel_rng_tracker_name",
     "get_rng_snapshot",
     "initialize_rng_tracker",

@@ -261,8 +261,13 @@ def all_gather_last_dim(input_: torch.Tensor, group: dist.ProcessGroup) -> torch
     return torch.cat(gathered.chunk(world_size, dim=0), dim=-1)
 
 
-def all_to_all_first_dim(input_, group, output_split_sizes=None, input_split_sizes=None):
+def all_to_all_first_dim(
+    input_, group, output_split_sizes=None, input_split_sizes=None, async_op=False
+):
     """Rank r sends its i-th block of rows to rank i and receives rank i's r-th block.
+
+    ``async_op``: launch it asynchronously and wait for the handle (megatron-core 0.19's
+    ``use_nccl_stream``: on NCCL it then runs on NCCL's stream); the result is the same.
 
     Split sizes of None mean equal blocks (the output then has as many rows as the input). The
     ranks always agree on the split sizes first (one small exchange, ``consistency.agreed_splits``).
@@ -281,5 +286,9 @@ def all_to_all_first_dim(input_, group, output_split_sizes=None, input_split_siz
     input_ = input_.contiguous()
     output = input_.new_empty((sum(out_sizes), *input_.shape[1:]))
     with consistency.named_failures("all_to_all", group):
-        dist.all_to_all_single(output, input_, out_sizes, in_sizes, group=group)
+        handle = dist.all_to_all_single(
+            output, input_, out_sizes, in_sizes, group=group, async_op=async_op
+        )
+        if async_op:
+            handle.wait()
     return output

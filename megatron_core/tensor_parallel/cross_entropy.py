@@ -204,6 +204,7 @@ def vocab_parallel_cross_entropy(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,
     label_smoothing: float = 0.0,
+    tp_group: dist.ProcessGroup | None = None,
     *,
     ignore_index: int = -100,
     group: dist.ProcessGroup | None = None,
@@ -221,8 +222,10 @@ def vocab_parallel_cross_entropy(
             rank of the group.
         label_smoothing: probability mass the target gives up, spread as ``e / (V - 1)`` over the
             other classes (megatron-core's convention), in [0, 1).
+        tp_group: (megatron-core 0.19) the process group splitting the vocabulary; default the
+            tensor-model-parallel group.
         ignore_index: target value whose tokens get loss 0 and gradient 0 (torch's default -100).
-        group: the process group splitting the vocabulary; default the tensor-model-parallel group.
+        group: this package's older keyword for ``tp_group`` (give at most one of them).
 
     Returns:
         The fp32 loss of every token, shape ``target.shape``.
@@ -231,6 +234,11 @@ def vocab_parallel_cross_entropy(
         MegatronCoreError: for mismatched shapes, a non-integer target, a target outside the
             vocabulary, or label_smoothing outside [0, 1).
     """
+    if tp_group is not None and group is not None and tp_group is not group:
+        raise MegatronCoreError(
+            "vocab_parallel_cross_entropy: tp_group and group name different groups; give one"
+        )
+    group = tp_group if group is None else group
     group = parallel_state.get_tensor_model_parallel_group() if group is None else group
     consistency.check_collective(
         "vocab_parallel_cross_entropy", group, vocab_parallel_logits, content=target,

@@ -23,6 +23,7 @@ from megatron_core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron_core.tensor_parallel.sharded_state import sharded_state_dict_of_layer
 from megatron_core.tensor_parallel.utils import VocabUtility
 
 __all__ = ["VocabParallelEmbedding"]
@@ -80,12 +81,21 @@ class VocabParallelEmbedding(torch.nn.Module):
         full_shape = (num_embeddings, embedding_dim)
         _init_shard(self.weight, config, init_method, full_shape, 0, 1, self.tp_rank, self.tp_size)
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None) -> dict:
+        """megatron-core's dist_checkpointing view: the weight split over TP along the vocab
+        (shape mismatches allowed, for a vocab padded differently at another TP size). See
+        NOTE [ Sharded state dict ] in tensor_parallel/sharded_state.py."""
+        return sharded_state_dict_of_layer(
+            self, prefix, {"weight": 0}, sharded_offsets, metadata, allow_shape_mismatch=True
+        )
+
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Embed the ids ``input_`` [b, s]: [b, s, h], or [s/tp, b, h] when reduce-scattering.
 
-        In check mode (megatron_core.consistency) ids outside [0, num_embeddings), or ids that
-        differ between the ranks of the group, raise on every rank; otherwise an id outside
-        every rank's range embeds to zeros (megatron-core's behaviour).
+        Ids outside [0, num_embeddings) raise a MegatronCoreError (``consistency.check_ids``);
+        in check mode and the default window ids that differ between the ranks of the group
+        also raise, on every rank. Only with the checks off (``consistency.disable()``) does an
+        id outside every rank's range embed to zeros (megatron-core's behaviour).
         """
         consistency.check_ids("VocabParallelEmbedding", self.tp_group, input_, self.num_embeddings)
         if self.tp_size > 1:

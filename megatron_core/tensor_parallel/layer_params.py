@@ -35,6 +35,9 @@ __all__ = [
     "copy_tensor_model_parallel_attributes",
     "param_is_not_tensor_parallel_duplicate",
     "allreduce_sequence_parallel_grads",
+    # megatron-core 0.19 (generalized TP bookkeeping; remat size 1 here)
+    "copy_gtp_attributes",
+    "param_is_not_gtp_duplicate",
 ]
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
@@ -45,7 +48,9 @@ _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
 
 
 def param_is_not_tensor_parallel_duplicate(
-    param: torch.Tensor, tp_group: dist.ProcessGroup | None = None
+    param: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    expert_tp_group: dist.ProcessGroup | None = None,
 ) -> bool:
     """True if ``param`` is a TP shard, or a replicated parameter on TP rank 0 (count it once).
 
@@ -54,9 +59,13 @@ def param_is_not_tensor_parallel_duplicate(
         tp_group: the tensor-parallel group whose rank 0 counts replicated parameters (a
             process group, or any object whose ``rank()`` gives this rank's place in it, as
             megatron-core reads it); default parallel_state's.
+        expert_tp_group: (megatron-core 0.19) used instead of ``tp_group`` for a parameter
+            reduced over the expert data-parallel group (``param.allreduce`` False).
     """
     if getattr(param, "tensor_model_parallel", False):
         return True
+    if expert_tp_group is not None and not getattr(param, "allreduce", True):
+        tp_group = expert_tp_group
     if tp_group is not None:
         return tp_group.rank() == 0
     return parallel_state.get_tensor_model_parallel_rank() == 0
@@ -291,3 +300,25 @@ def allreduce_sequence_parallel_grads(
         for grad in same_dtype:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+
+
+# --- megatron-core 0.19: generalized-TP bookkeeping (the remat size is 1 here) ------------------
+
+
+def copy_gtp_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy the generalized-TP tags ``is_gtp_weight_remat`` and ``allreduce`` that ``source``
+    has onto ``destination`` (e.g. an optimizer's master copy), as megatron-core 0.19 does."""
+    for name in ("is_gtp_weight_remat", "allreduce"):
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+def param_is_not_gtp_duplicate(param: torch.Tensor) -> bool:
+    """True if ``param``'s gradient is counted once across the weight-remat group: a remat
+    shard always, anything else on remat rank 0 (expert parameters, ``allreduce`` False, on
+    the expert remat group). With remat size 1, as here, every parameter counts."""
+    if getattr(param, "is_gtp_weight_remat", False):
+        return True
+    if not getattr(param, "allreduce", True):
+        return parallel_state.get_expert_gtp_weight_remat_rank() == 0
+    return parallel_state.get_gtp_weight_remat_rank() == 0

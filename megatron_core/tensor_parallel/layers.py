@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.model_parallel_config import ModelParallelConfig
+from megatron_core.tensor_parallel.delayed_wgrad import WgradStore
 from megatron_core.tensor_parallel.embedding import VocabParallelEmbedding
 from megatron_core.tensor_parallel.layer_params import (  # noqa: F401  (re-exports)
     _check_divisible,
@@ -45,7 +46,9 @@ from megatron_core.tensor_parallel.layer_params import (  # noqa: F401  (re-expo
     _resolve_tp_group,
     _sequence_parallel,
     allreduce_sequence_parallel_grads,
+    copy_gtp_attributes,
     copy_tensor_model_parallel_attributes,
+    param_is_not_gtp_duplicate,
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
@@ -65,6 +68,7 @@ from megatron_core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron_core.tensor_parallel.sharded_state import sharded_state_dict_of_layer
 
 __all__ = [
     "ColumnParallelLinear",
@@ -79,6 +83,8 @@ __all__ = [
     "copy_tensor_model_parallel_attributes",
     "param_is_not_tensor_parallel_duplicate",
     "allreduce_sequence_parallel_grads",
+    "copy_gtp_attributes",
+    "param_is_not_gtp_duplicate",
 ]
 
 
@@ -91,6 +97,8 @@ def _default_extra_state(state_dict, prefix, *args) -> None:
 class _ParallelLinearBase(torch.nn.Module):
     """What both parallel linear layers share: group, sizes, weight creation, bias flags."""
 
+    _TP_AXES: dict[str, int] = {}  # state-dict name -> axis split over TP (sharded_state_dict)
+
     def _setup(self, layer, config, tp_group, is_expert, stride):
         self.config = config
         self.is_expert = is_expert
@@ -102,6 +110,16 @@ class _ParallelLinearBase(torch.nn.Module):
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         if not isinstance(stride, int) or stride < 1:
             raise MegatronCoreError(f"{layer}: stride ({stride!r}) must be an integer >= 1")
+        self.gtp_remat_size = 1  # 0.19's weight remat: not implemented (check_gtp_size)
+        self._wgrad_store = None  # NOTE [ Delayed weight gradient ] (delayed_wgrad.py)
+        if config.delay_wgrad_compute:
+            if config.defer_embedding_wgrad_compute:
+                raise MegatronCoreError(
+                    f"{layer}: delay_wgrad_compute and defer_embedding_wgrad_compute (both True) "
+                    "each postpone the weight gradient; choose one"
+                )
+            linear_sp = self.sequence_parallel and not self.explicit_expert_comm
+            self._wgrad_store = WgradStore(self.tp_group, linear_sp and layer.startswith("Col"))
 
     def _make_weight(self, shape, partition_dim, init_method, stride, keep_master_weight):
         """Create, mark and initialize the weight shard; sets self.weight and self.master_weight."""
@@ -122,13 +140,28 @@ class _ParallelLinearBase(torch.nn.Module):
             self.is_expert,
         )
 
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        """The linear function: the frozen-weight one when ``weight`` needs no gradient."""
+    def _forward_impl(self, input, weight, bias, fusion, **kwargs):
+        """The linear function: the frozen-weight one when ``weight`` needs no gradient; with
+        delay_wgrad_compute, one on the detached weight whose wgrad backward_dw computes."""
         if not weight.requires_grad:
             kwargs["grad_output_buffer"] = None
             kwargs["wgrad_deferral_limit"] = None
-            return linear_with_frozen_weight(input, weight, *args, **kwargs)
-        return linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
+            return linear_with_frozen_weight(input, weight, bias, fusion, **kwargs)
+        if self._wgrad_store is not None:  # NOTE [ Delayed weight gradient ], rules 1-2
+            output = linear_with_grad_accumulation_and_async_allreduce(
+                input, weight.detach(), bias, False, **kwargs
+            )
+            return self._wgrad_store.record(input, output, weight)
+        return linear_with_grad_accumulation_and_async_allreduce(
+            input, weight, bias, fusion, **kwargs
+        )
+
+    def backward_dw(self) -> None:
+        """Compute the delayed weight gradients (``config.delay_wgrad_compute``), adding them
+        into ``weight.main_grad`` (gradient_accumulation_fusion) or ``weight.grad``; a no-op
+        without the option, where backward computes them (NOTE [ Delayed weight gradient ])."""
+        if self._wgrad_store is not None:
+            self._wgrad_store.compute(self.gradient_accumulation_fusion)
 
     def set_extra_state(self, state: Any) -> None:
         """Ignore ``state``: the ``_extra_state`` entry exists for megatron-core's (and
@@ -137,6 +170,12 @@ class _ParallelLinearBase(torch.nn.Module):
     def get_extra_state(self) -> None:
         """None, stored as ``<prefix>_extra_state`` in the state dict, as megatron-core does."""
         return None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None) -> dict:
+        """megatron-core's dist_checkpointing view of this layer: the weight (and a column
+        layer's bias) split over TP, other tensors replicated, ``_extra_state`` an object.
+        See NOTE [ Sharded state dict ] in tensor_parallel/sharded_state.py."""
+        return sharded_state_dict_of_layer(self, prefix, self._TP_AXES, sharded_offsets, metadata)
 
     def extra_repr(self) -> str:
         return (
@@ -188,6 +227,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
             defer_embedding_wgrad_compute without both buffers.
     """
 
+    _TP_AXES = {"weight": 0, "bias": 0}  # NOTE [ Sharded state dict ], rule 1
+
     def __init__(
         self,
         input_size: int,
@@ -207,10 +248,11 @@ class ColumnParallelLinear(_ParallelLinearBase):
         tp_comm_buffer_name: str | None = None,
         disable_grad_reduce: bool = False,
         tp_group: dist.ProcessGroup | None = None,
+        name: str | None = None,
     ):
         super().__init__()
         layer = "ColumnParallelLinear"
-        del tp_comm_buffer_name  # Transformer Engine's userbuffers name: unused (megatron-core)
+        del tp_comm_buffer_name, name  # TE's buffer name, 0.19's layer name: unused (as there)
         self.embedding_activation_buffer = embedding_activation_buffer
         self.grad_output_buffer = grad_output_buffer
         self.disable_grad_reduce = disable_grad_reduce
@@ -310,10 +352,6 @@ class ColumnParallelLinear(_ParallelLinearBase):
             output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
 
-    def backward_dw(self) -> None:
-        """Delayed weight-gradient computation (``config.delay_wgrad_compute``): does nothing,
-        as in megatron-core's non-Transformer-Engine layer (wgrad is computed in backward)."""
-
 
 class RowParallelLinear(_ParallelLinearBase):
     """Y = XA + b with A split along its input (row) dimension and X along its last dimension.
@@ -350,6 +388,8 @@ class RowParallelLinear(_ParallelLinearBase):
             input_is_parallel, or an expert layer without skip_bias_add.
     """
 
+    _TP_AXES = {"weight": 1}  # the bias is replicated (NOTE [ Sharded state dict ])
+
     def __init__(
         self,
         input_size: int,
@@ -365,10 +405,11 @@ class RowParallelLinear(_ParallelLinearBase):
         is_expert: bool = False,
         tp_comm_buffer_name: str | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        name: str | None = None,
     ):
         super().__init__()
         layer = "RowParallelLinear"
-        del tp_comm_buffer_name  # Transformer Engine's userbuffers name: unused (megatron-core)
+        del tp_comm_buffer_name, name  # TE's buffer name, 0.19's layer name: unused (as there)
         self._setup(layer, config, tp_group, is_expert, stride)
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
+from megatron_core.model_parallel_config import check_gtp_size
 from megatron_core.tensor_parallel import _collectives
 from megatron_core.tensor_parallel.amp import custom_bwd, custom_fwd
 from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -60,6 +61,8 @@ def linear_with_frozen_weight(
     grad_output_buffer: list[torch.Tensor] | None = None,
     wgrad_deferral_limit: None = None,
     async_grad_allreduce: bool | None = None,
+    *,
+    gtp_remat_size: int = 1,
 ) -> torch.Tensor:
     """Linear layer whose weight gets no gradient (megatron-core's signature).
 
@@ -77,6 +80,8 @@ def linear_with_frozen_weight(
         grad_output_buffer: must be None (embedding-wgrad deferral needs a weight gradient).
         wgrad_deferral_limit: must be None, for the same reason.
         async_grad_allreduce: deprecated in megatron-core and unused; warns when given.
+        gtp_remat_size: (megatron-core 0.19, where it takes async_grad_allreduce's position;
+            keyword only here) the weight-remat size; only 1 (ConfigError otherwise).
 
     Returns:
         The output [..., out] (with the full sequence in dim 0 under sequence parallelism).
@@ -86,6 +91,7 @@ def linear_with_frozen_weight(
             allreduce_dgrad together with sequence_parallel, or mismatched shapes (before any
             collective).
     """
+    check_gtp_size("linear_with_frozen_weight: gtp_remat_size", gtp_remat_size)
     if async_grad_allreduce is not None:
         warnings.warn(
             "linear_with_frozen_weight: async_grad_allreduce is deprecated and unused; "

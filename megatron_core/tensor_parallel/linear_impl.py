@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
+from megatron_core.model_parallel_config import check_gtp_size
 from megatron_core.tensor_parallel import _collectives as C
 from megatron_core.tensor_parallel.amp import custom_bwd, custom_fwd
 from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -99,6 +100,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_output_buffer,
         wgrad_deferral_limit,
         tp_group,
+        gtp_remat_size=1,
     ):
         ctx.save_for_backward(input, weight)
         ctx.use_bias = bias is not None
@@ -145,7 +147,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         if pending is not None:
             grad_input = pending.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _check_arguments(input, weight, bias, fusion, allreduce_dgrad, sequence_parallel) -> None:
@@ -185,6 +187,8 @@ def linear_with_grad_accumulation_and_async_allreduce(
     wgrad_deferral_limit: int = 0,
     async_grad_allreduce: bool | None = None,
     tp_group: dist.ProcessGroup | None = None,
+    *,
+    gtp_remat_size: int = 1,
 ) -> torch.Tensor:
     """Linear layer with gradient-accumulation fusion and communication overlapped in backward.
 
@@ -208,6 +212,9 @@ def linear_with_grad_accumulation_and_async_allreduce(
         async_grad_allreduce: the older name of allreduce_dgrad (megatron-core <= 0.6).
         tp_group: the tensor-parallel group; default parallel_state's (looked up only when a
             collective is needed).
+        gtp_remat_size: (megatron-core 0.19, keyword only here: 0.19 dropped
+            async_grad_allreduce and moved tp_group up one position) the weight-remat size;
+            only 1 (ConfigError otherwise).
 
     Returns:
         The output [..., out] (under sequence parallelism with the full sequence in dim 0).
@@ -217,6 +224,9 @@ def linear_with_grad_accumulation_and_async_allreduce(
             or gradient_accumulation_fusion without a matching ``weight.main_grad`` (raised
             before any collective).
     """
+    check_gtp_size(
+        "linear_with_grad_accumulation_and_async_allreduce: gtp_remat_size", gtp_remat_size
+    )
     if allreduce_dgrad is None:
         allreduce_dgrad = bool(async_grad_allreduce)
     elif async_grad_allreduce is not None and bool(async_grad_allreduce) != bool(allreduce_dgrad):

@@ -175,18 +175,25 @@ class _AllToAll(torch.autograd.Function):
     swapped) backward."""
 
     @staticmethod
-    def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
+    def forward(ctx, group, input_, output_split_sizes, input_split_sizes, use_nccl_stream=False):
         ctx.group = group
         ctx.output_split_sizes = output_split_sizes
         ctx.input_split_sizes = input_split_sizes
-        return C.all_to_all_first_dim(input_, group, output_split_sizes, input_split_sizes)
+        ctx.use_nccl_stream = use_nccl_stream
+        return C.all_to_all_first_dim(
+            input_, group, output_split_sizes, input_split_sizes, async_op=use_nccl_stream
+        )
 
     @staticmethod
     def backward(ctx, grad_output):
         grad = _AllToAll.apply(
-            ctx.group, grad_output, ctx.input_split_sizes, ctx.output_split_sizes
+            ctx.group,
+            grad_output,
+            ctx.input_split_sizes,
+            ctx.output_split_sizes,
+            ctx.use_nccl_stream,
         )
-        return None, grad, None, None
+        return None, grad, None, None, None
 
 
 # --- public region functions -----------------------------------------------------------------
@@ -289,7 +296,9 @@ def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
     return _apply(_ReduceScatterLastDimToTensorParallelRegion, input_, group)
 
 
-def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
+def all_to_all(
+    group, input_, output_split_sizes_=None, input_split_sizes=None, use_nccl_stream=False
+):
     """All-to-all along the first dimension (megatron-core's argument order: group first).
 
     Rank r sends its i-th chunk of ``input_`` to rank i and receives rank i's r-th chunk.
@@ -300,12 +309,16 @@ def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
         output_split_sizes_: rows received from each rank; None for an equal split (the
             trailing underscore is megatron-core's spelling).
         input_split_sizes: rows sent to each rank; None for an equal split.
+        use_nccl_stream: (megatron-core 0.19) launch asynchronously and wait, which on NCCL
+            runs the exchange on NCCL's own stream; the result is the same (also backward).
     """
     if group is None:
         raise MegatronCoreError("all_to_all: group must be a process group (got None)")
     if C.size_rank(group)[0] == 1:
         return input_
-    return _AllToAll.apply(group, input_, output_split_sizes_, input_split_sizes)
+    return _AllToAll.apply(
+        group, input_, output_split_sizes_, input_split_sizes, bool(use_nccl_stream)
+    )
 
 
 def all_to_all_sp2hp(input_, group=None):

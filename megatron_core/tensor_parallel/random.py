@@ -75,6 +75,7 @@ __all__ = [
     "get_data_parallel_rng_tracker_name",
     "get_model_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
+    "get_gtp_remat_rng_tracker_name",
     "RNGSnapshot",
     "get_rng_snapshot",
     "set_rng_snapshot",
@@ -103,6 +104,13 @@ def get_model_parallel_rng_tracker_name() -> str:
 def get_expert_parallel_rng_tracker_name() -> str:
     """Name of the stream used by expert layers ("expert-parallel-rng")."""
     return _EXPERT_PARALLEL_RNG_TRACKER_NAME
+
+
+def get_gtp_remat_rng_tracker_name(is_expert: bool = False) -> str:
+    """Name of megatron-core 0.19's generalized-TP remat RNG stream ("gtp-remat-rng", or
+    "egtp-remat-rng" for experts). model_parallel_cuda_manual_seed registers it only for a
+    remat size above 1, which is not implemented here, so it is never registered."""
+    return "egtp-remat-rng" if is_expert else "gtp-remat-rng"
 
 
 def _copy_state(state: Any) -> Any:

@@ -178,6 +178,12 @@ _ARGUMENTS = [
                 "schedule of --train-iters; resume with --load",
             ),
             ("--load", None, {"metavar": "DIR"}, "resume from the latest checkpoint in DIR"),
+            (
+                "--ckpt-step",
+                None,
+                {"type": int, "metavar": "N"},
+                "with --load: load iteration N's checkpoint, not the one the tracker file names",
+            ),
         ],
     ),
 ]
@@ -243,6 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.save_interval is not None and args.save is None:
         raise MegatronCoreError(f"--save-interval ({args.save_interval}) needs --save DIR")
+    if args.ckpt_step is not None and (args.load is None or args.ckpt_step < 0):
+        raise MegatronCoreError(f"--ckpt-step ({args.ckpt_step}) needs --load DIR and must be >= 0")
     return args
 
 

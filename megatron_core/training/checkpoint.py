@@ -16,11 +16,14 @@ What is saved, under which names and cut how: NOTE [ Checkpoint keys ] in checkp
    ``iter_<N>`` (an older ``iter_<N>``, of any layout, is swapped out whole, never mixed with),
    fsyncs DIR, and only then replaces the tracker file (write, fsync, rename). A save killed at
    any point leaves the previous checkpoint as the latest, loadable one.
-2. Never loaded damaged. Load reads the tracker and the manifest, checks every file's size on
-   every rank and its SHA-256 on one rank each (files dealt round-robin), then reads DCP's
-   metadata with an unpickler that allows only DCP's metadata classes, and checks that every
-   tensor this run needs is there with the same global shape. Only then are the tensors read,
-   into fresh buffers, and copied into the parameters, optimizer and RNGs.
+2. Never loaded damaged, nothing read unverified. Load reads the tracker (or the iteration
+   asked for, ``--ckpt-step``) and the manifest; refuses any file in the directory that the
+   manifest does not list; checks every listed file's size on every rank and its SHA-256 on one
+   rank each (files dealt round-robin); reads DCP's metadata with an unpickler that allows only
+   DCP's metadata classes; refuses a storage file it names that the manifest does not cover; and
+   checks that every tensor this run needs is there with the same global shape. Only then are
+   the tensors read, into fresh buffers, and copied into the parameters, optimizer and RNGs.
+   Without a tracker, the error names the newest complete iteration directory and the flag.
 3. Every rank fails alike. Each step's errors are exchanged (``checkpoint_io.agree``) before the
    next collective: every rank raises the same MegatronCoreError naming the file or tensor,
    and nothing has been modified.
@@ -42,7 +45,6 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_core.errors import MegatronCoreError
@@ -53,6 +55,7 @@ from megatron_core.training.checkpoint_io import (
     MANIFEST_FILENAME,
     TRACKER_FILENAME,
     VERSION,
+    OSErrorFileSystemWriter,
     SafeFileSystemReader,
     ShardLoadPlanner,
     ShardSavePlanner,
@@ -235,7 +238,7 @@ def save_checkpoint(root, iteration: int, model, optimizer, args: dict[str, Any]
 
 
 def _write_shards(partial: Path, shards: dict[str, state.Shard]) -> None:
-    writer = FileSystemWriter(partial, single_file_per_rank=True, sync_files=True)
+    writer = OSErrorFileSystemWriter(partial, single_file_per_rank=True, sync_files=True)
     tensors = {name: shard.tensor for name, shard in shards.items()}
     dcp.save(tensors, storage_writer=writer, planner=ShardSavePlanner(shards))
 
@@ -252,7 +255,11 @@ def _own_files(partial: Path, rank: int) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    root, model, optimizer, check_args: Callable[[dict[str, Any]], None] | None = None
+    root,
+    model,
+    optimizer,
+    check_args: Callable[[dict[str, Any]], None] | None = None,
+    iteration: int | None = None,
 ) -> LoadedCheckpoint:
     """Load the latest checkpoint under ``root`` into ``model``, ``optimizer`` and the RNGs.
 
@@ -266,21 +273,24 @@ def load_checkpoint(
         optimizer: its optimizer (see NOTE [ Checkpoint keys ], rule 4).
         check_args: called with the saving run's arguments before anything is read; raise
             MegatronCoreError to refuse the checkpoint (an incompatible model configuration).
+        iteration: load this iteration's directory instead of the one the tracker file names
+            (``--ckpt-step``; e.g. a complete checkpoint whose save stopped before the tracker).
 
     Returns:
         A :class:`LoadedCheckpoint`.
 
     Raises:
         MegatronCoreError: on every rank, naming the file or tensor: no checkpoint, a missing,
-            truncated, corrupt or unreadable file, another model configuration.
+            truncated, corrupt, unreadable or unlisted file, another model configuration.
     """
     root = Path(root)
     what = f"loading checkpoint from {root}"
 
     def find():
-        iteration = load.read_iteration(root)
-        directory = _iteration_dir(root, iteration)
-        manifest = load.read_manifest(directory, iteration)
+        step = load.read_iteration(root, iteration)
+        directory = _iteration_dir(root, step)
+        named_by = "the tracker file" if iteration is None else "the requested iteration"
+        manifest = load.read_manifest(directory, step, named_by)
         if check_args is not None:
             check_args(manifest.get("args", {}))
         load.verify_files(directory, manifest)
@@ -290,6 +300,7 @@ def load_checkpoint(
 
     def plan_load():
         metadata = read_metadata(directory / ".metadata")
+        load.check_storage_files(directory, metadata, manifest)
         return load.plan_load(model, optimizer, metadata, manifest)
 
     plan, later, rng_keys = _guard(plan_load, what)

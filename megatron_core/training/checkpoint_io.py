@@ -10,6 +10,7 @@ overlap of saved chunks into any new cut (resharding).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -50,6 +51,7 @@ __all__ = [
     "ShardSavePlanner",
     "ShardLoadPlanner",
     "SafeFileSystemReader",
+    "OSErrorFileSystemWriter",
     "read_metadata",
     "sha256_of",
     "fsync_path",
@@ -192,6 +194,51 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The first OSError with an errno in ``exc``'s chain (``__cause__`` / ``__context__``)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class OSErrorFileSystemWriter(FileSystemWriter):
+    """DCP's FileSystemWriter whose failed writes name the OS error, e.g. "No space left on
+    device", on the rank that hit it.
+
+    ``torch.save`` (DCP writes each tensor with it) reports a failed write as ``unexpected pos
+    704 vs 598`` and keeps the OSError only as ``__context__``, which DCP drops when it gathers
+    the ranks' failures; so the OSError is raised here instead, before DCP sees the failure.
+    """
+
+    def _named(self, exc: Exception) -> Exception:
+        found = _os_error_in(exc)
+        if found is None and "unexpected pos" in str(exc):
+            try:  # no OSError kept: a full disk is the usual cause of a short write
+                full = os.statvfs(self.path).f_bavail == 0
+            except (OSError, AttributeError):
+                full = False
+            found = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if full else None
+        if found is None or found is exc:
+            return exc
+        return OSError(found.errno, found.strerror, str(found.filename or self.path))
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as exc:
+            raise self._named(exc) from exc
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as exc:
+            raise self._named(exc) from exc
 
 
 def sha256_of(path: Path) -> str:

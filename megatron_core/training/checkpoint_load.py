@@ -26,20 +26,63 @@ from megatron_core.training.checkpoint_io import (
     sha256_of,
 )
 
-__all__ = ["read_iteration", "read_manifest", "verify_files", "plan_load", "apply_loaded"]
+__all__ = [
+    "read_iteration",
+    "read_manifest",
+    "verify_files",
+    "check_storage_files",
+    "plan_load",
+    "apply_loaded",
+]
 
 
-def read_iteration(root: Path) -> int:
+def read_iteration(root: Path, iteration: int | None = None) -> int:
+    """The iteration to load: ``iteration`` if given (``--ckpt-step``), else the tracker's.
+
+    Raises:
+        MegatronCoreError: no tracker (naming the newest complete iteration directory that no
+            tracker registers, if any, and the flag that loads it), or an unreadable tracker.
+    """
+    if iteration is not None:
+        return iteration
     tracker = root / TRACKER_FILENAME
     if not tracker.is_file():
-        raise MegatronCoreError(f"no checkpoint in {root}: {tracker} does not exist")
+        raise MegatronCoreError(
+            f"no checkpoint in {root}: {tracker} does not exist{_unregistered_hint(root)}"
+        )
     text = tracker.read_text().strip()
     if not text.isdigit():
         raise MegatronCoreError(f"{tracker} holds {text[:40]!r}, not an iteration number")
     return int(text)
 
 
-def read_manifest(directory: Path, iteration: int) -> dict[str, Any]:
+def _unregistered_hint(root: Path) -> str:
+    """Names the newest complete ``iter_N`` under ``root`` (a save killed after its rename but
+    before the tracker, NOTE [ Checkpoint safety ], rule 1), or returns ""."""
+    found = sorted(root.glob("iter_[0-9]*"), reverse=True) if root.is_dir() else []
+    for directory in found:
+        digits = directory.name[len("iter_") :]
+        if not digits.isdigit():
+            continue
+        try:
+            manifest = read_manifest(directory, int(digits))
+            for name, expected in manifest["files"].items():
+                if (directory / name).stat().st_size != expected["bytes"]:
+                    raise MegatronCoreError(f"{name} is incomplete")
+        except (MegatronCoreError, OSError, KeyError, TypeError):
+            continue
+        return (
+            f"; {directory} is a complete checkpoint that no tracker registers (a save stopped "
+            f"before writing the tracker): load it with --ckpt-step {int(digits)} "
+            f"(load_checkpoint(..., iteration={int(digits)}))"
+        )
+    return ""
+
+
+def read_manifest(
+    directory: Path, iteration: int, named_by: str = "the tracker file"
+) -> dict[str, Any]:
+    """The manifest of ``directory`` (iteration ``iteration``, as ``named_by`` says), checked."""
     path = directory / MANIFEST_FILENAME
     if not directory.is_dir():
         replaced = directory.with_name(f".{directory.name}.replaced")
@@ -49,7 +92,7 @@ def read_manifest(directory: Path, iteration: int) -> dict[str, Any]:
             else ""
         )
         raise MegatronCoreError(
-            f"{directory} is missing (the tracker file names iteration {iteration}){hint}"
+            f"{directory} is missing ({named_by} names iteration {iteration}){hint}"
         )
     if not path.is_file():
         raise MegatronCoreError(f"{path} is missing: not a complete megatron_core checkpoint")
@@ -66,15 +109,26 @@ def read_manifest(directory: Path, iteration: int) -> dict[str, Any]:
         )
     if manifest.get("iteration") != iteration:
         raise MegatronCoreError(
-            f"{path} is of iteration {manifest.get('iteration')}, the tracker says {iteration}"
+            f"{path} is of iteration {manifest.get('iteration')}, {named_by} says {iteration}"
         )
     return manifest
 
 
 def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
-    """NOTE [ Checkpoint safety ], rule 2: sizes everywhere, checksums dealt round-robin."""
+    """NOTE [ Checkpoint safety ], rule 2: every file in ``directory`` is listed; sizes are
+    checked everywhere, checksums dealt round-robin."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    for index, (name, expected) in enumerate(sorted(manifest["files"].items())):
+    listed = manifest.get("files")
+    if not isinstance(listed, dict):
+        raise MegatronCoreError(f"{directory / MANIFEST_FILENAME} lists no files")
+    for path in sorted(directory.rglob("*")):
+        name = path.relative_to(directory).as_posix()
+        if path.is_file() and name != MANIFEST_FILENAME and name not in listed:
+            raise MegatronCoreError(
+                f"{path} is not listed in {MANIFEST_FILENAME}, so it cannot be verified (its "
+                "entry was removed, or the file was added after the save); refusing to load"
+            )
+    for index, (name, expected) in enumerate(sorted(listed.items())):
         path = directory / name
         if not path.is_file():
             raise MegatronCoreError(f"{path} is missing")
@@ -86,6 +140,20 @@ def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
             )
         if index % world == rank and sha256_of(path) != expected["sha256"]:
             raise MegatronCoreError(f"{path} is corrupt: its SHA-256 does not match the manifest")
+
+
+def check_storage_files(directory: Path, metadata, manifest: dict[str, Any]) -> None:
+    """Every storage file that DCP's ``.metadata`` names is one the manifest lists (so it was
+    verified by :func:`verify_files`): nothing unverified is ever read."""
+    named = {
+        getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()
+    }
+    for name in sorted(str(n) for n in named if n is not None):
+        if name not in manifest["files"]:
+            raise MegatronCoreError(
+                f"{directory / name} is named by .metadata but not covered by "
+                f"{MANIFEST_FILENAME}, so it cannot be verified; refusing to load"
+            )
 
 
 def _buffer_for(shard: state.Shard, target: torch.Tensor) -> state.Shard:

@@ -336,12 +336,21 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _resolved_model_flags(values) -> dict:
+    """The model flags as the model is built from them: ``ffn_hidden_size`` None means 4·h."""
+    resolved = {k: values.get(k) for k in _MODEL_FLAGS}
+    if resolved["ffn_hidden_size"] is None and resolved["hidden_size"] is not None:
+        resolved["ffn_hidden_size"] = 4 * resolved["hidden_size"]
+    return resolved
+
+
 def _check_model_args(args):
     def check(saved: dict) -> None:
+        ours, theirs = _resolved_model_flags(vars(args)), _resolved_model_flags(saved)
         wrong = [
-            f"{_flag(k)} {saved[k]} (this run: {getattr(args, k)})"
+            f"{_flag(k)} {theirs[k]} (this run: {ours[k]})"
             for k in _MODEL_FLAGS
-            if k in saved and saved[k] != getattr(args, k)
+            if k in saved and theirs[k] != ours[k]
         ]
         if wrong:
             raise MegatronCoreError(f"the checkpoint was trained with {', '.join(wrong)}")
@@ -371,7 +380,11 @@ def _resume(args, model, optimizer) -> tuple[int, list[str]]:
     """Load --load; returns (iteration, lines to print). See NOTE [ Checkpoint safety ], rule 4
     in checkpoint.py: at another layout the RNG streams restart from (seed + iteration)."""
     loaded: LoadedCheckpoint = load_checkpoint(
-        args.load, model, optimizer, check_args=_check_model_args(args)
+        args.load,
+        model,
+        optimizer,
+        check_args=_check_model_args(args),
+        iteration=getattr(args, "ckpt_step", None),
     )
     start, saved = loaded.iteration, loaded.layout
     lines = [f"resumed from {args.load} at iteration {start}"]

@@ -30,8 +30,11 @@ autocast replay, checksums), nonreentrant.py, without_output.py.
    ``args[0]``, which must be a tensor; ``"all"`` splits every floating-point tensor input of at
    least tp elements. Needs the TP group: parallel_state initialized, or ``tp_group=``. A
    distributed input must be equal on every rank of the TP group (replicated, as the hidden states
-   between transformer layers are): the gather assembles it from every rank's chunk. With
-   ``check_determinism`` the gathered input is compared with this rank's forward input.
+   between transformer layers are): the gather assembles it from every rank's chunk. Forward
+   agrees its shape, dtype and a checksum across the TP group (check mode, and the default
+   window of megatron_core.consistency): an input that differs raises on every rank, naming the
+   checkpoint's input. With ``check_determinism`` the gathered input is compared with this
+   rank's forward input.
 4. Offload (``offload_to_cpu=True``). Every kept input (its chunk when distributed: split first)
    is copied to the CPU in forward and back to its device before the gather in backward.
 5. Non-reentrant (``use_reentrant=False``). The function runs once with grad, under
@@ -120,7 +123,7 @@ class CheckpointFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx, *grad_outputs):
+    def backward(ctx, *args):  # megatron-core's name: the output gradients
         """Rebuild the inputs, recompute under the forward's RNG, return the input gradients.
 
         Raises:
@@ -138,7 +141,7 @@ class CheckpointFunction(torch.autograd.Function):
         if ctx.fingerprints is not None:
             check_outputs(ctx.fingerprints, outputs)  # rule 6
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        return (None, None, *backward_through(outputs, grad_outputs, inputs))
+        return (None, None, *backward_through(outputs, args, inputs))
 
 
 def _saved_tensors_of(ctx) -> Callable[[], Sequence[torch.Tensor]]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_core import device, parallel_state
+from megatron_core import consistency, device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.random import (
     RNGSnapshot,
@@ -138,7 +138,8 @@ class SavedInputs:
 
     def _keep(self, index: int, x: torch.Tensor, split: bool, version_check: bool) -> None:
         kept = x.detach()
-        if split:  # See NOTE [ Checkpoint rules ], rule 3: a chunk copy, never x's .data.
+        if split:  # See NOTE [ Checkpoint rules ], rule 3: agreed, then a chunk copy.
+            self._agree_distributed(kept)
             kept = split_tensor_into_1d_equal_chunks(kept, new_buffer=True, group=self.group)
         if self.options.offload_to_cpu:  # rule 4: split first, then offload the chunk
             kept = kept.to("cpu", copy=not split)  # a chunk is already a fresh buffer
@@ -151,6 +152,13 @@ class SavedInputs:
         self.slots.append(
             _Slot(index, x.shape, x.device, x.requires_grad, split, version, fingerprint)
         )
+
+    def _agree_distributed(self, x: torch.Tensor) -> None:
+        """Rule 3: agree ``x`` (shape, dtype, checksum) across the TP group when the consistency
+        mode says so; a differing input raises on every rank, naming this checkpoint's input."""
+        group = self.group or parallel_state.get_tensor_model_parallel_group()
+        op = f"checkpoint(distribute_saved_activations=True) input #{len(self.slots)}"
+        consistency.check_collective(op, group, x, content=x)
 
     @property
     def group(self) -> dist.ProcessGroup | None:

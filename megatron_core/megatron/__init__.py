@@ -1,0 +1,181 @@
+"""The megatron switch: megatron-core's own model code runs on this package.
+
+Call :func:`install` once, before anything imports ``megatron``::
+
+    import megatron_core.megatron
+    megatron_core.megatron.install()
+
+    from megatron.core.models.gpt import GPTModel          # megatron-core's own model code ...
+    from megatron.core import parallel_state, tensor_parallel  # ... on this package's modules
+
+After it, each megatron name in :data:`SERVED` is this package's module object (the same object
+under both names, one global state); every other ``megatron`` name is installed megatron-core's
+own (NOTE [ Serving megatron-core's modules ] in ``_finder.py``). Test runners that cannot make
+the call set ``MEGATRON_CORE_SWITCH=1`` and use the pytest plugin (``-p
+megatron_core.megatron.pytest_plugin``) or ``python -m megatron_core.megatron script.py``.
+
+megatron-core is an optional extra (``pip install "megatron-tp-core[megatron]"``); the switch
+accepts the releases it was tested with (:data:`SUPPORTED_VERSIONS`) and refuses others unless
+``MEGATRON_CORE_SWITCH_ANY_VERSION=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+import warnings
+
+from megatron_core.errors import MegatronCoreError
+from megatron_core.megatron._finder import MegatronSwitchFinder
+
+__all__ = [
+    "SERVED",
+    "SUPPORTED_VERSIONS",
+    "SWITCH_ENV",
+    "ANY_VERSION_ENV",
+    "install",
+    "uninstall",
+    "is_installed",
+    "megatron_core_version",
+    "check_version",
+    "install_from_env",
+]
+
+SWITCH_ENV = "MEGATRON_CORE_SWITCH"
+ANY_VERSION_ENV = "MEGATRON_CORE_SWITCH_ANY_VERSION"
+
+# Releases the switch was tested with: 0.16.1 end to end (CI, Python 3.11); 0.19.x by its API
+# manifest only (0.17+ requires Python >= 3.12).
+SUPPORTED_VERSIONS = ("0.16.1", "0.19.*")
+
+_TP = "megatron.core.tensor_parallel"
+_PP = "megatron.core.pipeline_parallel"
+
+# megatron name -> this package's module. A module is served only where this package implements
+# megatron-core's whole public surface of it (tests/test_megatron_switch.py checks the names).
+SERVED: dict[str, str] = {
+    "megatron.core.parallel_state": "megatron_core.parallel_state",
+    "megatron.core.model_parallel_config": "megatron_core.model_parallel_config",
+    "megatron.core.process_groups_config": "megatron_core.process_groups_config",
+    "megatron.core.enums": "megatron_core.enums",
+    "megatron.core.hyper_comm_grid": "megatron_core.hyper_comm_grid",
+    _TP: "megatron_core.tensor_parallel",
+    **{
+        f"{_TP}.{name}": f"megatron_core.tensor_parallel.{name}"
+        for name in (
+            "cross_entropy",
+            "data",
+            "inference_layers",
+            "layers",
+            "mappings",
+            "random",
+            "utils",
+        )
+    },
+    _PP: "megatron_core.pipeline_parallel",
+    f"{_PP}.schedules": "megatron_core.pipeline_parallel.schedules",
+    f"{_PP}.p2p_communication": "megatron_core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.finalize_model_grads": (
+        "megatron_core.distributed.finalize_model_grads"
+    ),
+}
+
+_FINDER: MegatronSwitchFinder | None = None
+
+
+def megatron_core_version() -> str | None:
+    """The installed megatron-core release (read from its metadata, without importing it)."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _supported(version: str) -> bool:
+    for pattern in SUPPORTED_VERSIONS:
+        if pattern.endswith(".*"):
+            prefix = pattern[:-1]
+            if version.startswith(prefix) and version[len(prefix) :].split(".")[0].isdigit():
+                return True
+        elif version == pattern:
+            return True
+    return False
+
+
+def check_version(version: str | None = None) -> str:
+    """Return the installed megatron-core release if the switch supports it, else raise.
+
+    Raises:
+        MegatronCoreError: megatron-core is not installed, or its release is not one of
+            :data:`SUPPORTED_VERSIONS` and ``MEGATRON_CORE_SWITCH_ANY_VERSION`` is not set
+            (with it set, a warning instead).
+    """
+    version = megatron_core_version() if version is None else version
+    if version is None:
+        raise MegatronCoreError(
+            "megatron switch: megatron-core is not installed; install the extra with "
+            "pip install \"megatron-tp-core[megatron]\" (megatron-core==0.16.1)"
+        )
+    if _supported(version):
+        return version
+    message = (
+        f"megatron switch: megatron-core {version} is not a tested release "
+        f"(tested: {', '.join(SUPPORTED_VERSIONS)})"
+    )
+    if os.environ.get(ANY_VERSION_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        warnings.warn(f"{message}; going on because {ANY_VERSION_ENV} is set", stacklevel=3)
+        return version
+    raise MegatronCoreError(f"{message}; set {ANY_VERSION_ENV}=1 to try it anyway")
+
+
+def _foreign_imports() -> list[str]:
+    """Claimed names already imported as megatron-core's own modules."""
+    return sorted(
+        name
+        for name, target in SERVED.items()
+        if name in sys.modules and sys.modules[name] is not sys.modules.get(target)
+    )
+
+
+def is_installed() -> bool:
+    """Whether the switch is active in this process."""
+    return _FINDER is not None and _FINDER in sys.meta_path
+
+
+def install() -> None:
+    """Serve the :data:`SERVED` megatron names from this package (idempotent).
+
+    Raises:
+        MegatronCoreError: megatron-core is missing or untested (:func:`check_version`), or a
+            claimed megatron module was already imported from megatron-core (``install`` must run
+            before ``megatron`` is imported; the message names the modules).
+    """
+    global _FINDER
+    if is_installed():
+        return
+    check_version()
+    foreign = _foreign_imports()
+    if foreign:
+        raise MegatronCoreError(
+            f"megatron switch: install() must run before megatron is imported; already imported "
+            f"from megatron-core: {', '.join(foreign)}"
+        )
+    _FINDER = MegatronSwitchFinder(SERVED)
+    sys.meta_path.insert(0, _FINDER)
+
+
+def uninstall() -> None:
+    """Remove the import hook. Modules already imported keep the objects they were given."""
+    global _FINDER
+    if _FINDER is not None and _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    _FINDER = None
+
+
+def install_from_env() -> bool:
+    """:func:`install` if ``MEGATRON_CORE_SWITCH`` is 1/true/yes/on; returns whether it did."""
+    if os.environ.get(SWITCH_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        install()
+        return True
+    return False
