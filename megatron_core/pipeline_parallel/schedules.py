@@ -66,7 +66,10 @@ from megatron_core.pipeline_parallel.interleaved import (
 )
 from megatron_core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+Shape = list[int] | torch.Size  # megatron-core's alias for a p2p tensor shape
+
 __all__ = [
+    "Shape",
     "get_forward_backward_func",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_without_interleaving",
