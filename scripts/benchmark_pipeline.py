@@ -4,6 +4,14 @@ Run (CPU, each pipeline size on that many gloo ranks)::
 
     python scripts/benchmark_pipeline.py                       # pp 1 2 4, vp none/2, m 8
     python scripts/benchmark_pipeline.py --pp 2 4 --microbatches 4 8 16 --forward-ms 20
+    python scripts/benchmark_pipeline.py --bubble --forward-ms 200 --repeats 5 \
+        --plot benchmarks/pipeline_bubble.png   # idle share only, issue 23's cases
+
+``--bubble`` times only sleeping chunks (below, point 2) for 1F1B and the interleaved schedule
+blocking, with ``overlap_p2p_comm`` and with ``overlap_p2p_comm_warmup_flush``, at pp=4 v=2 m=16
+and 8, pp=2 v=2 m=8 and pp=4 v=2 m=10 (microbatch group 5; ``--cases pp:vp:m[:group]`` picks
+others), ``--repeats`` timed steps each after one untimed, and prints the median and best idle
+share against theory (``--plot``: a bar chart, matplotlib from the ``plot`` extra).
 
 For each (pp, vp, m) a GPT of ``--num-layers`` layers is split into pp stages (pp * vp chunks)
 and one training step runs through ``get_forward_backward_func()`` twice:
