@@ -4,6 +4,14 @@ Run (CPU, each pipeline size on that many gloo ranks)::
 
     python scripts/benchmark_pipeline.py                       # pp 1 2 4, vp none/2, m 8
     python scripts/benchmark_pipeline.py --pp 2 4 --microbatches 4 8 16 --forward-ms 20
+    python scripts/benchmark_pipeline.py --bubble --forward-ms 200 --repeats 5 \
+        --plot benchmarks/pipeline_bubble.png   # idle share only, issue 23's cases
+
+``--bubble`` times only sleeping chunks (below, point 2) for 1F1B and the interleaved schedule
+blocking, with ``overlap_p2p_comm`` and with ``overlap_p2p_comm_warmup_flush``, at pp=4 v=2 m=16
+and 8, pp=2 v=2 m=8 and pp=4 v=2 m=10 (microbatch group 5; ``--cases pp:vp:m[:group]`` picks
+others), ``--repeats`` timed steps each after one untimed, and prints the median and best idle
+share against theory (``--plot``: a bar chart, matplotlib from the ``plot`` extra).
 
 For each (pp, vp, m) a GPT of ``--num-layers`` layers is split into pp stages (pp * vp chunks)
 and one training step runs through ``get_forward_backward_func()`` twice:
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 import types
@@ -138,7 +147,7 @@ def _one_microbatch_bytes(chunks, opts, config) -> int:
     for chunk in chunks:
         if not chunk.pre_process:
             shape = (opts.seq_length, opts.micro_batch_size, opts.hidden_size)
-            chunk.set_input_tensor(torch.randn(shape, requires_grad=True))
+            chunk.set_input_tensor([torch.randn(shape, requires_grad=True)])
         with count_saved_activations(ignore=chunk.parameters()) as report:
             out, loss_func = step(iter([0]), chunk)
             if chunk.post_process:
@@ -152,17 +161,20 @@ class _SleepChunk(torch.nn.Module):
 
     SHAPE = (4, 1, 8)
 
-    def __init__(self, pre_process, post_process, sleep):
+    def __init__(self, pre_process, post_process, sleep, **options):
         super().__init__()
         self.config = types.SimpleNamespace(
-            pipeline_dtype=torch.float32, hidden_size=self.SHAPE[-1], sequence_parallel=False
+            pipeline_dtype=torch.float32,
+            hidden_size=self.SHAPE[-1],
+            sequence_parallel=False,
+            **options,
         )
         self.pre_process, self.post_process, self.sleep = pre_process, post_process, sleep
         self.linear = torch.nn.Linear(self.SHAPE[-1], self.SHAPE[-1])
         self.input_tensor = None
 
-    def set_input_tensor(self, tensor):
-        self.input_tensor = tensor
+    def set_input_tensor(self, tensors):
+        self.input_tensor = tensors[0]
 
     def forward(self, x):
         h = x if self.pre_process else self.input_tensor
@@ -231,6 +243,124 @@ def _expected_in_flight(pp, vp, m, rank):
     return min(interleaved_warmup_microbatches(m, pp, rank, vp) + 1, total) / vp
 
 
+# --- bubble mode (--bubble): idle share of 1F1B and interleaved schedules vs theory ------------
+
+# (pp, vp, m, microbatch_group_size_per_vp_stage); m=10 at pp=4 is not divisible by pp.
+BUBBLE_CASES = [(4, 2, 16, None), (4, 2, 8, None), (2, 2, 8, None), (4, 2, 10, 5)]
+SCHEDULES = {  # name: (interleaved?, config options)
+    "1F1B": (False, {}),
+    "interleaved, blocking p2p": (True, {}),
+    "interleaved, overlap_p2p_comm": (True, {"overlap_p2p_comm": True, "batch_p2p_comm": False}),
+    "interleaved, overlap + warmup_flush": (
+        True,
+        {"overlap_p2p_comm": True, "batch_p2p_comm": False, "overlap_p2p_comm_warmup_flush": True},
+    ),
+}
+
+
+def _bubble_walls(opts, pp, vp, m, options, repeats) -> list[float]:
+    """Per-rank body: wall seconds of ``repeats`` steps of sleeping chunks (after one untimed)."""
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp
+    )
+    sleep = (opts.forward_ms / 1e3 / (vp or 1), 2 * opts.forward_ms / 1e3 / (vp or 1))
+    chunks = []
+    for c in range(vp or 1):
+        first = parallel_state.is_pipeline_first_stage() and c == 0
+        last = parallel_state.is_pipeline_last_stage() and c == (vp or 1) - 1
+        chunks.append(_SleepChunk(first, last, sleep, **options))
+    walls = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        get_forward_backward_func()(
+            forward_step_func=_sleep_step,
+            data_iterator=[iter(range(m)) for _ in chunks] if vp else iter(range(m)),
+            model=chunks if vp else chunks[0],
+            num_microbatches=m,
+            seq_length=_SleepChunk.SHAPE[0],
+            micro_batch_size=_SleepChunk.SHAPE[1],
+        )
+        walls.append(time.perf_counter() - start)
+    return walls[1:]
+
+
+def _bubble_rows(opts):
+    """One row per (case, schedule): idle share (median and best of the repeats) vs theory."""
+    rows = []
+    for pp, vp, m, group in opts.cases or BUBBLE_CASES:
+        for name, (interleaved, options) in SCHEDULES.items():
+            options = dict(options)
+            if interleaved and group is not None:
+                options["microbatch_group_size_per_vp_stage"] = group
+            v = vp if interleaved else None
+            per_rank = run_distributed(
+                _bubble_walls, pp, opts, pp, v, m, options, opts.repeats, timeout=600
+            )
+            walls = [max(w[i] for w in per_rank) for i in range(opts.repeats)]
+            idle = [1 - m * 3 * opts.forward_ms / 1e3 / wall for wall in walls]
+            rows.append(
+                (pp, v, m, group if interleaved else None, name)
+                + (statistics.median(idle), min(idle), _theory(pp, v, m))
+            )
+    return rows
+
+
+def _plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((pp, m) for pp, _, m, *_ in rows))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    width = 0.8 / len(SCHEDULES)
+    for j, name in enumerate(SCHEDULES):
+        xs = [i + (j - (len(SCHEDULES) - 1) / 2) * width for i in range(len(cases))]
+        measured = [r[5] for r in rows if r[4] == name]
+        theory = [r[7] for r in rows if r[4] == name]
+        ax.bar(xs, measured, width * 0.95, label=f"{name} (measured)")
+        ax.scatter(xs, theory, marker="_", s=300, color="black", zorder=3)
+    ax.scatter([], [], marker="_", s=300, color="black", label="theory")
+    groups = {(pp, m): g for pp, _, m, g, *_ in rows if g}
+    ax.set_xticks(
+        range(len(cases)),
+        [
+            f"pp={pp}, m={m}" + (f", group {groups[pp, m]}" if (pp, m) in groups else "")
+            for pp, m in cases
+        ],
+    )
+    ax.set_ylabel("idle share of the step")
+    ax.set_title("Pipeline idle share, fixed-time chunks (interleaved: vp=2)")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.set_ylim(0, max(r[5] for r in rows) * 1.35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _case(text: str) -> tuple:
+    parts = [int(x) for x in text.split(":")]
+    return tuple(parts + [None] * (4 - len(parts)))
+
+
+def bubble_main(opts) -> None:
+    print(
+        f"Sleeping chunks: forward {opts.forward_ms:g} ms + backward {2 * opts.forward_ms:g} ms "
+        f"per microbatch and stage (split over vp chunks); {opts.repeats} timed steps, median\n"
+    )
+    print("| pp | vp | m | group | schedule | idle (median) | idle (best) | theory | excess |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = _bubble_rows(opts)
+    for pp, vp, m, group, name, median, best, theory in rows:
+        print(
+            f"| {pp} | {vp or '-'} | {m} | {group or '-'} | {name} | {median:.3f} | {best:.3f} "
+            f"| {theory:.3f} | {median - theory:+.3f} |"
+        )
+    if opts.plot:
+        _plot(rows, opts.plot)
+        print(f"\nplot: {opts.plot}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[1, 2, 4])
@@ -242,7 +372,20 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-length", type=int, default=64)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--forward-ms", type=float, default=20.0)
+    parser.add_argument("--bubble", action="store_true", help="only the idle-share table")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per row (--bubble)")
+    parser.add_argument("--plot", default=None, help="PNG path for the --bubble plot")
+    parser.add_argument(
+        "--cases",
+        type=_case,
+        nargs="+",
+        default=None,
+        help="--bubble cases pp:vp:m[:group] (default: the four of BUBBLE_CASES)",
+    )
     opts = parser.parse_args(argv)
+    if opts.bubble:
+        bubble_main(opts)
+        return
     print(
         f"GPT {opts.num_layers} layers, h {opts.hidden_size}, s {opts.seq_length}, "
         f"b {opts.micro_batch_size}, fp32, CPU/gloo; per microbatch and stage: forward "

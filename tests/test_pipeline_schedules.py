@@ -81,8 +81,10 @@ class _Chunk(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.input_tensor = None
 
-    def set_input_tensor(self, tensor):
-        self.input_tensor = tensor
+    def set_input_tensor(self, tensors):
+        # megatron-core's contract: always a list ([None] on the first stage)
+        assert isinstance(tensors, list) and len(tensors) == 1, tensors
+        self.input_tensor = tensors[0]
 
     def forward(self, x):
         h = x if self.pre_process else self.input_tensor
@@ -263,7 +265,8 @@ def test_interleaved_order_matches_paper():
 def test_interleaved_warmup_counts():
     # NOTE [ Interleaved 1F1B ], rule 2: (pp - r - 1) * 2 + (vp - 1) * pp, capped at m * vp.
     assert [interleaved_warmup_microbatches(8, 4, r, 2) for r in range(4)] == [10, 8, 6, 4]
-    assert interleaved_warmup_microbatches(4, 4, 3, 2) == 8  # m == pp: all warm-up
+    assert interleaved_warmup_microbatches(4, 4, 0, 2) == 8  # m == pp: all warm-up on stage 0
+    assert interleaved_warmup_microbatches(4, 4, 3, 2) == 4  # ... not on the last stage
     assert interleaved_warmup_microbatches(8, 4, 0, 2, forward_only=True) == 16
 
 
@@ -296,7 +299,7 @@ def _bad_input(case):
 @pytest.mark.parametrize(
     "case, message",
     [
-        ({"vp": 2, "kwargs": {"num_microbatches": 3}}, r"num_microbatches \(3\) must be divisible"),
+        ({"vp": 2, "kwargs": {"num_microbatches": 3}}, r"num_microbatches \(3\) mod"),
         ({"config": {"pipeline_dtype": None}}, r"pipeline_dtype must be set"),
         ({"kwargs": {"num_microbatches": 0}}, r"num_microbatches \(0\) must be >= 1"),
         ({"kwargs": {"seq_length": None}}, r"seq_length \(None\) must be an int"),
@@ -433,7 +436,7 @@ def test_ring_exchange_both_directions(world_size, batch_p2p):
 def _one_microbatch_bytes(chunk, x, target) -> int:
     """Saved bytes of one microbatch's forward (and loss, on the last stage) through ``chunk``."""
     if not chunk.pre_process:
-        chunk.set_input_tensor(torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True))
+        chunk.set_input_tensor([torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)])
     with count_saved_activations(ignore=chunk.parameters()) as report:
         out = chunk(x)
         if chunk.post_process:

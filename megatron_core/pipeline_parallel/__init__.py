@@ -1,4 +1,4 @@
-"""Pipeline parallelism: megatron-core's schedules and p2p communication over the PP groups.
+"""Pipeline parallelism: megatron-core's schedules, p2p communication and stage utilities.
 
 ``get_forward_backward_func()`` returns the schedule for parallel_state's pipeline:
 ``forward_backward_no_pipelining`` (pp == 1), ``forward_backward_pipelining_without_interleaving``
@@ -6,7 +6,7 @@
 [s, b, h] activations and their gradients through :class:`P2PCommunicator`.
 """
 
-from megatron_core.pipeline_parallel import p2p_communication, schedules
+from megatron_core.pipeline_parallel import p2p_communication, schedules, utils
 from megatron_core.pipeline_parallel.interleaved import interleaved_warmup_microbatches
 from megatron_core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_core.pipeline_parallel.schedules import (
@@ -18,6 +18,8 @@ from megatron_core.pipeline_parallel.schedules import (
     forward_backward_pipelining_without_interleaving,
     forward_step,
     get_forward_backward_func,
+    get_pp_rank_microbatches,
+    get_schedule_table,
     get_tensor_shapes,
 )
 
@@ -32,6 +34,8 @@ __all__ = [
     "forward_step",
     "backward_step",
     "get_tensor_shapes",
+    "get_pp_rank_microbatches",
+    "get_schedule_table",
     # interleaved.py
     "interleaved_warmup_microbatches",
     # p2p_communication.py
@@ -39,4 +43,5 @@ __all__ = [
     # submodules
     "p2p_communication",
     "schedules",
+    "utils",
 ]

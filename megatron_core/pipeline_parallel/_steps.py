@@ -1,4 +1,4 @@
-"""The pieces every schedule shares: one microbatch's forward and backward, input checks, shapes.
+"""The pieces every schedule shares: one microbatch's forward (and loss) and its backward.
 
 Re-exported by :mod:`megatron_core.pipeline_parallel.schedules` under megatron-core's names.
 
@@ -13,6 +13,9 @@ Re-exported by :mod:`megatron_core.pipeline_parallel.schedules` under megatron-c
 3. The last stage's output is the loss of the microbatch, already divided by the number of
    microbatches (and multiplied by the context-parallel size, megatron's convention), so the
    gradients summed over microbatches are those of the mean loss.
+4. As in megatron-core, a chunk's ``set_input_tensor`` always receives a list (``[tensor]``, or
+   ``[None]`` where nothing was received: the first stage), and a tensor or a list comes back
+   from ``forward_step`` / ``backward_step`` as it was given.
 """
 
 from __future__ import annotations
@@ -27,22 +30,21 @@ from torch.autograd import Variable
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron_core.pipeline_parallel._args import option
 
 __all__ = [
     "deallocate_output_tensor",
     "custom_backward",
+    "set_current_microbatch",
+    "forward_step_calc_loss",
     "forward_step",
     "backward_step",
-    "get_tensor_shapes",
+    "backward_step_multimodule",
+    "check_first_val_step",
+    "get_tensor_device",
     "get_model_config",
     "set_input_tensor",
 ]
-
-
-def option(config, name: str, default=None):
-    """A schedule option of ``config``, or megatron-core's default when the config lacks it."""
-    return getattr(config, name, default)
 
 
 def _unwrap(model: torch.nn.Module, attribute: str):
@@ -66,15 +68,13 @@ def get_model_config(model: torch.nn.Module):
     return config
 
 
-def set_input_tensor(model: torch.nn.Module, input_tensor: torch.Tensor | None) -> None:
-    """Hand the received activation to the chunk (its ``set_input_tensor``), as megatron does.
-
-    A model without ``set_input_tensor`` is accepted only where nothing is received (None).
-    """
+def set_input_tensor(model: torch.nn.Module, input_tensor: list) -> None:
+    """Hand the received activations (a list, NOTE [ Pipeline outputs ], rule 4) to the chunk's
+    ``set_input_tensor``. A model without one is accepted only where nothing is received."""
     setter = _unwrap(model, "set_input_tensor")
     if setter is not None:
         setter(input_tensor)
-    elif input_tensor is not None:
+    elif any(t is not None for t in input_tensor):
         raise MegatronCoreError(
             f"pipeline schedule: model {type(model).__name__} receives an activation from the "
             "previous stage but has no set_input_tensor(tensor) method"
@@ -124,16 +124,6 @@ def custom_backward(output: torch.Tensor, grad_output: torch.Tensor | None) -> N
     )
 
 
-def get_tensor_shapes(
-    *, seq_length: int, micro_batch_size: int, config, tp_size: int = 1, cp_size: int = 1
-) -> list[tuple[int, int, int]]:
-    """The shape sent between stages: [(s / cp (/ tp under SP), micro_batch_size, hidden)]."""
-    s = seq_length // cp_size
-    if option(config, "sequence_parallel", False):
-        s //= tp_size
-    return [(s, micro_batch_size, config.hidden_size)]
-
-
 def _calls_with_checkpoint_flag(func: Callable) -> bool:
     try:
         return len(inspect.signature(func).parameters) >= 3
@@ -141,14 +131,103 @@ def _calls_with_checkpoint_flag(func: Callable) -> bool:
         return False
 
 
-def _loss(
-    output_tensor, loss_func, config, collect_non_loss_data, num_microbatches, cp_size, store
+def set_current_microbatch(model: torch.nn.Module, microbatch_id: int) -> None:
+    """Record ``microbatch_id`` as ``current_microbatch`` on every layer of the (possibly
+    wrapped) model's ``decoder`` (and of its ``mtp`` block's transformer layers); no-op for a
+    model without a decoder."""
+    inner = model
+    while inner is not None and getattr(inner, "decoder", None) is None:
+        inner = getattr(inner, "module", None)
+    if inner is None:
+        return
+    for layer in inner.decoder.layers:
+        layer.current_microbatch = microbatch_id
+    mtp = getattr(inner, "mtp", None)
+    if mtp is not None:
+        for layer in mtp.layers:
+            layer.transformer_layer.current_microbatch = microbatch_id
+
+
+def _aux_loss_scale(config, output_tensor, cp_group_size: int, num_microbatches: int) -> None:
+    """megatron-core's MoE / MTP auxiliary-loss scale, set when its MoE / MTP modules are in use
+    (already imported: this package never imports megatron-core itself)."""
+    import sys
+
+    moe, mtp = "megatron.core.transformer.moe.router", "megatron.core.transformer"
+    targets = (
+        ("num_moe_experts", moe, "MoEAuxLossAutoScaler", True),
+        ("mtp_num_layers", mtp + ".multi_token_prediction", "MTPLossAutoScaler", False),
+    )
+    for name, module_name, scaler_name, times_cp in targets:
+        module = sys.modules.get(module_name)
+        if option(config, name) is None or module is None:
+            continue
+        scale_func = option(config, "grad_scale_func")
+        one = torch.ones(1, device=output_tensor.device)
+        scale = scale_func(one) if scale_func is not None else one
+        if not option(config, "calculate_per_token_loss", False):
+            scale = scale * (cp_group_size if times_cp else 1) / num_microbatches
+        getattr(module, scaler_name).set_loss_scale(scale)
+
+
+def forward_step_calc_loss(
+    model,
+    output_tensor,
+    loss_func,
+    config,
+    vp_stage,
+    collect_non_loss_data,
+    num_microbatches,
+    forward_data_store,
+    cp_group_size=None,
+    is_last_stage=None,
 ):
+    """On the last stage, turn the chunk's output into the scaled loss (NOTE [ Pipeline
+    outputs ], rule 3) and append ``loss_func``'s dict (or the output itself without a
+    loss_func, or ``loss_func(output, non_loss_data=True)`` when collecting) to
+    ``forward_data_store``. ``cp_group_size`` and ``is_last_stage`` both None: parallel_state's.
+
+    Returns:
+        (output: the loss on the last stage, else unchanged; tokens, a 0-dim int tensor).
+    """
+    model_vp_stage = getattr(model, "vp_stage", None)
+    if vp_stage is not None and model_vp_stage is not None and vp_stage != model_vp_stage:
+        raise MegatronCoreError(
+            f"forward_step_calc_loss: vp_stage ({vp_stage}) differs from the model chunk's "
+            f"vp_stage ({model_vp_stage})"
+        )
+    if cp_group_size is None and is_last_stage is None:
+        cp_group_size = parallel_state.get_context_parallel_world_size()
+        is_last_stage = parallel_state.is_pipeline_last_stage(
+            ignore_virtual=False, vp_stage=vp_stage
+        )
+    elif cp_group_size is None or is_last_stage is None:
+        raise MegatronCoreError(
+            f"forward_step_calc_loss: give both cp_group_size ({cp_group_size}) and "
+            f"is_last_stage ({is_last_stage}), or neither"
+        )
+    num_tokens = torch.tensor(0, dtype=torch.int)
+    if is_last_stage:
+        output_tensor, num_tokens = _loss(
+            output_tensor,
+            loss_func,
+            config,
+            collect_non_loss_data,
+            num_microbatches,
+            cp_group_size,
+            forward_data_store,
+        )
+    if isinstance(output_tensor, torch.Tensor):
+        _aux_loss_scale(config, output_tensor, cp_group_size, num_microbatches)
+    return output_tensor, num_tokens
+
+
+def _loss(output_tensor, loss_func, config, collect, num_microbatches, cp_size, store):
     """Apply ``loss_func`` on the last stage (megatron's reductions); returns (loss, tokens)."""
     num_tokens = torch.tensor(0, dtype=torch.int)
     if loss_func is None:
         store.append(output_tensor)
-    elif collect_non_loss_data:
+    elif collect:
         store.append(loss_func(output_tensor, non_loss_data=True))
     else:
         outputs = loss_func(output_tensor)
@@ -181,7 +260,7 @@ def forward_step(
     data_iterator,
     model: torch.nn.Module,
     num_microbatches: int,
-    input_tensor: torch.Tensor | None,
+    input_tensor,
     forward_data_store: list,
     config,
     cp_group_size: int = 1,
@@ -194,17 +273,21 @@ def forward_step(
 ):
     """Run one microbatch through one model chunk.
 
-    Sets the chunk's input (None on the first stage: the chunk reads ``data_iterator``), calls
+    Hands the chunk its input as a list (NOTE [ Pipeline outputs ], rule 4; ``[None]`` on the
+    first stage, where the chunk reads ``data_iterator``), calls
     ``forward_step_func(data_iterator, model)`` -> (output, loss_func) (under ``torch.autocast``
-    when ``config.enable_autocast``) and, on the last stage,
-    turns the output into the scaled loss (NOTE [ Pipeline outputs ], rule 3) and appends
-    ``loss_func``'s dict to ``forward_data_store``.
+    when ``config.enable_autocast``) and, on the last stage, :func:`forward_step_calc_loss`.
 
     Returns:
-        (output tensor: the activation [s, b, h] to send, or the scalar loss on the last stage;
-        number of tokens, a 0-dim int tensor, 0 unless loss_func returned it).
+        (output: the activation [s, b, h] to send, or the scalar loss on the last stage; a
+        list of one when ``input_tensor`` was a list; number of tokens, a 0-dim int tensor).
     """
-    set_input_tensor(model, input_tensor)
+    if is_first_microbatch and hasattr(model, "set_is_first_microbatch"):
+        model.set_is_first_microbatch()
+    if current_microbatch is not None:
+        set_current_microbatch(model, current_microbatch)
+    unwrap = not isinstance(input_tensor, list)
+    set_input_tensor(model, [input_tensor] if unwrap else input_tensor)
     with _autocast(config):
         if checkpoint_activations_microbatch is not None and _calls_with_checkpoint_flag(
             forward_step_func
@@ -214,118 +297,98 @@ def forward_step(
             )
         else:
             output_tensor, loss_func = forward_step_func(data_iterator, model)
-    if not is_last_stage:
-        return output_tensor, torch.tensor(0, dtype=torch.int)
-    return _loss(
+    output_tensor, num_tokens = forward_step_calc_loss(
+        model,
         output_tensor,
         loss_func,
         config,
+        vp_stage,
         collect_non_loss_data,
         num_microbatches,
-        cp_group_size,
         forward_data_store,
+        cp_group_size,
+        is_last_stage,
     )
+    return (output_tensor if unwrap else [output_tensor]), num_tokens
 
 
-def backward_step(
-    input_tensor: torch.Tensor | None,
-    output_tensor: torch.Tensor,
-    output_tensor_grad: torch.Tensor | None,
-    model_type=None,
-    config=None,
-) -> torch.Tensor | None:
+def _as_list(value) -> tuple[list, bool]:
+    return (value, False) if isinstance(value, list) else ([value], True)
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type=None, config=None):
     """Backward of one microbatch through one chunk; returns the gradient of its input.
 
     ``output_tensor_grad`` is the gradient received from the next stage (None on the last
     stage, where ``output_tensor`` is the loss; ``config.grad_scale_func`` scales it first).
     Parameter gradients accumulate into ``.grad`` / ``.main_grad``; the returned gradient of
-    ``input_tensor`` (None on the first stage) goes to the previous stage.
+    ``input_tensor`` (None on the first stage; a list when ``input_tensor`` is a list) goes to
+    the previous stage. Both megatron-core 0.16.1's ``(input, output, grad, model_type,
+    config)`` and 0.19's ``(input, output, grad, config)`` calls work; an output that does
+    not require grad (a stage that did not take part) is skipped.
     """
     if config is None and not isinstance(model_type, (str, enum.Enum, type(None))):
-        config = model_type  # newer megatron-core passes the config 4th, without model_type
-    if input_tensor is not None:
-        input_tensor.retain_grad()
+        config = model_type  # megatron-core 0.19 passes the config 4th, without model_type
+    inputs, unwrap = _as_list(input_tensor)
+    for x in inputs:
+        if x is not None:
+            x.retain_grad()
+    outputs, _ = _as_list(output_tensor)
+    grads, _ = _as_list(output_tensor_grad)
+    output, grad = outputs[0], grads[0]
     scale = option(config, "grad_scale_func")
-    if output_tensor_grad is None and scale is not None:
-        output_tensor = scale(output_tensor)
-    if option(config, "deallocate_pipeline_outputs", False):
-        custom_backward(output_tensor, output_tensor_grad)
-    else:
-        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
-    return None if input_tensor is None else input_tensor.grad
+    if grad is None and scale is not None:
+        output = scale(output)
+    if output.requires_grad:
+        if option(config, "deallocate_pipeline_outputs", False):
+            custom_backward(output, grad)
+        else:
+            torch.autograd.backward(output, grad_tensors=grad)
+    input_grads = [None if x is None else x.grad for x in inputs]
+    return input_grads[0] if unwrap else input_grads
 
 
-def no_sync_context(config) -> Callable[[], contextlib.AbstractContextManager]:
-    """``config.no_sync_func`` (DDP's grad-sync suppression) or a null context."""
-    return option(config, "no_sync_func") or contextlib.nullcontext
+def backward_step_multimodule(
+    input_tensor, output_tensor, output_tensor_grad, config, language_model_module_name: str
+) -> dict:
+    """megatron-core 0.19's backward of a multi-module stage: tensors are dicts keyed by module
+    name (a bare output is the loss of ``language_model_module_name``; no ``output_tensor_grad``
+    means the last stage); each module's output runs its own backward. Returns the input
+    gradients by module name (None for an input that is None)."""
+
+    def single(tensor):
+        return tensor[0] if isinstance(tensor, list) else tensor
+
+    inputs = {name: single(t) for name, t in input_tensor.items()}
+    for tensor in inputs.values():
+        if tensor is not None:
+            tensor.retain_grad()
+    if not isinstance(output_tensor, dict):
+        output_tensor = {language_model_module_name: output_tensor}
+    grads = output_tensor_grad or dict.fromkeys(output_tensor)
+    for name, output in output_tensor.items():
+        output, grad = single(output), single(grads[name])
+        if grad is None and option(config, "grad_scale_func") is not None:
+            output = config.grad_scale_func(output)
+        if output is not None and output.requires_grad:
+            if option(config, "deallocate_pipeline_outputs", False):
+                custom_backward(output, grad)
+            else:
+                torch.autograd.backward(output, grad_tensors=grad)
+    return {name: None if t is None else t.grad for name, t in inputs.items()}
 
 
-def finalize(config, model: list, num_tokens: torch.Tensor, forward_only: bool) -> None:
-    """Call ``config.finalize_model_grads_func(model, num_tokens)`` after a training pass."""
-    func = option(config, "finalize_model_grads_func")
-    if func is None or forward_only:
-        return
-    per_token = option(config, "calculate_per_token_loss", False)
-    func(model, num_tokens if per_token else None)
+def check_first_val_step(first_val_step, forward_only, cond):
+    """``first_val_step and cond`` for a forward-only pass given ``first_val_step``; else
+    ``cond`` (whether this is the chunk's first microbatch)."""
+    if first_val_step is not None and forward_only:
+        return first_val_step and cond
+    return cond
 
 
-def one_chunk(value, name: str):
-    if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            raise MegatronCoreError(
-                f"pipeline schedule: non-interleaved schedules take one {name}, got a list of "
-                f"{len(value)} (interleaving needs virtual_pipeline_model_parallel_size)"
-            )
-        return value[0]
-    return value
-
-
-def check_schedule_args(
-    *, num_microbatches, seq_length, micro_batch_size, config, pp_size: int, tp_size: int = 1
-) -> None:
-    """Raise MegatronCoreError for arguments no schedule can run, before any communication."""
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
-        raise MegatronCoreError(
-            f"pipeline schedule: num_microbatches ({num_microbatches!r}) must be an int"
-        )
-    if num_microbatches < 1:
-        raise MegatronCoreError(
-            f"pipeline schedule: num_microbatches ({num_microbatches}) must be >= 1"
-        )
-    if pp_size == 1:
-        return
-    for name, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise MegatronCoreError(f"pipeline schedule: {name} ({value!r}) must be an int >= 1")
-    if option(config, "pipeline_dtype") is None:
-        raise MegatronCoreError(
-            f"pipeline schedule: config.pipeline_dtype must be set when the pipeline size "
-            f"({pp_size}) > 1"
-        )
-    if option(config, "hidden_size") is None:
-        raise MegatronCoreError("pipeline schedule: config.hidden_size is needed for the p2p shape")
-    if option(config, "variable_seq_lengths", False):
-        raise MegatronCoreError("pipeline schedule: variable_seq_lengths (True) is not supported")
-    if option(config, "sequence_parallel", False) and seq_length % tp_size:
-        raise MegatronCoreError(
-            f"pipeline schedule: seq_length ({seq_length}) must be divisible by the "
-            f"tensor-parallel size ({tp_size}) under sequence parallelism"
-        )
-
-
-def communicator(p2p_communicator, pg_collection, config) -> P2PCommunicator:
-    if p2p_communicator is not None:
-        return p2p_communicator
-    group = getattr(pg_collection, "pp", None) if pg_collection is not None else None
-    if group is None:
-        group = parallel_state.get_pipeline_model_parallel_group()
-    return P2PCommunicator(group, config)
-
-
-def parallel_sizes(pg_collection) -> tuple[int, int]:
-    """(tp size, cp size) from the collection or parallel_state."""
-    tp = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-    cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-    tp_size = tp.size() if tp is not None else parallel_state.get_tensor_model_parallel_world_size()
-    cp_size = cp.size() if cp is not None else parallel_state.get_context_parallel_world_size()
-    return tp_size, cp_size
+def get_tensor_device(tensor) -> torch.device:
+    """The device of a tensor, or of the first tensor of a dict of tensors (megatron-core
+    0.19)."""
+    if isinstance(tensor, dict):
+        return next(iter(tensor.values())).device
+    return tensor.device

@@ -17,10 +17,14 @@ pipeline group: the ranks of the group form a ring, so the last stage's "next" i
    order megatron-core uses for its unbatched path). On top of that, activations travel with tag
    0 and gradients with tag 1 (gloo matches by tag; NCCL ignores tags and relies on the order).
 3. ``batch_p2p_comm=True`` hands the same list of operations to ``batch_isend_irecv``;
-   ``False`` issues them one by one. Both wait before returning when ``wait_on_reqs``.
+   ``False`` issues them one by one. Both wait before returning when ``wait_on_reqs``; without
+   it the caller gets one handle per operation and waits for each when it needs it.
 4. Waiting is bounded: a communicator created with ``timeout`` waits at most that long for each
    operation and then raises :class:`~megatron_core.errors.MegatronCoreError` naming the peer, so
    a stage whose neighbour died does not hang (without it, the process group's timeout applies).
+5. ``variable_seq_lengths``: before the tensors, each call exchanges their shapes (3 int64, tags
+   2 and 3) with the same peers and waits, then allocates the receive buffers at the received
+   shapes. The overlapped schedule still overlaps the tensors themselves.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ import torch.distributed as dist
 
 from megatron_core import device
 from megatron_core.errors import MegatronCoreError
+from megatron_core.pipeline_parallel._p2p_ops import exchange_shapes, post, wait_all
 
 __all__ = [
     "P2PCommunicator",
+    "is_single_shape",
     "recv_forward",
     "recv_backward",
     "send_forward",
@@ -49,8 +55,13 @@ __all__ = [
 
 Shape = Sequence[int] | torch.Size
 
-_ACTIVATION_TAG = 0  # NOTE [ P2P matching ], rule 2
-_GRADIENT_TAG = 1
+
+def is_single_shape(x) -> bool:
+    """True for one shape (a ``torch.Size`` or a non-empty list/tuple of ints), False for a
+    list of shapes (or anything else)."""
+    if isinstance(x, torch.Size):
+        return True
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(d, int) for d in x)
 
 
 def _option(config, name: str, default):
@@ -58,44 +69,26 @@ def _option(config, name: str, default):
     return getattr(config, name, default)
 
 
-class _Requests:
-    """Handles of posted operations: ``wait()`` waits for all, bounded by the timeout."""
-
-    def __init__(self, works: list, peers: list[str], timeout: datetime.timedelta | None):
-        self.works, self.peers, self.timeout = works, peers, timeout
-
-    def wait(self) -> None:
-        """Wait for every operation; raise MegatronCoreError naming the peer on failure."""
-        for work, peer in zip(self.works, self.peers):
-            try:
-                ok = work.wait() if self.timeout is None else work.wait(self.timeout)
-            except RuntimeError as error:
-                raise MegatronCoreError(
-                    f"pipeline p2p: {peer} failed or timed out (timeout {self.timeout}): {error}"
-                ) from error
-            if ok is False:
-                raise MegatronCoreError(f"pipeline p2p: {peer} did not complete")
-        self.works = []
-
-
 class P2PCommunicator:
     """Send and receive activations and gradients between neighbouring stages of one pipeline.
 
     Shapes: every tensor exchanged in one call has ``tensor_shape`` (megatron's
     ``(seq_length, micro_batch_size, hidden_size)``, ``seq_length / tp`` under sequence
-    parallelism) and dtype ``config.pipeline_dtype``. Received tensors are fresh leaves with
+    parallelism) and dtype ``config.pipeline_dtype``; with ``config.variable_seq_lengths`` the
+    shapes travel first (NOTE [ P2P matching ], rule 5). Received tensors are fresh leaves with
     ``requires_grad=True`` on the current device, so the receiving stage's backward fills their
     ``.grad``.
 
     Args:
         pp_group: the pipeline process group (one rank per stage, in stage order).
         config: a ModelParallelConfig; reads ``pipeline_dtype`` and, when present,
-            ``batch_p2p_comm`` (default True) and ``timers``.
+            ``batch_p2p_comm`` (default True), ``variable_seq_lengths`` and
+            ``virtual_pipeline_model_parallel_size``.
         timeout: extension: the longest wait for one operation before raising (NOTE [ P2P
             matching ], rule 4); None waits as long as the process group allows.
     """
 
-    def __init__(self, pp_group, config, timeout: datetime.timedelta | None = None):
+    def __init__(self, pp_group, config, *, timeout: datetime.timedelta | None = None):
         if pp_group is None:
             raise MegatronCoreError("P2PCommunicator: pp_group is None")
         self.pp_group = pp_group
@@ -106,6 +99,9 @@ class P2PCommunicator:
         self.pp_size = len(ranks)
         self.next_rank = ranks[(self.pp_rank + 1) % self.pp_size]
         self.prev_rank = ranks[(self.pp_rank - 1) % self.pp_size]
+        self.virtual_pipeline_model_parallel_size = _option(
+            config, "virtual_pipeline_model_parallel_size", None
+        )
 
     @property
     def is_pp_first_stage(self) -> bool:
@@ -117,8 +113,18 @@ class P2PCommunicator:
         """True on the last stage of the pipeline (ignoring virtual stages)."""
         return self.pp_rank == self.pp_size - 1
 
+    @property
+    def total_stages(self) -> int:
+        """Number of pipeline stages (the group's size)."""
+        return self.pp_size
+
+    @property
+    def current_stage(self) -> int:
+        """This rank's stage, 0-based (its rank in the group)."""
+        return self.pp_rank
+
     def _empty(self, shape: Shape, what: str) -> torch.Tensor:
-        dtype = self.config.pipeline_dtype
+        dtype = _option(self.config, "pipeline_dtype", None)
         if dtype is None:
             raise MegatronCoreError(f"P2PCommunicator: pipeline_dtype must be set to {what}")
         if shape is None:
@@ -130,40 +136,30 @@ class P2PCommunicator:
             tuple(shape), dtype=dtype, device=device.current_device(), requires_grad=True
         )
 
+    def _variable(self) -> bool:
+        return bool(_option(self.config, "variable_seq_lengths", False)) or bool(
+            _option(self.config, "mtp_standalone", False)
+        )
+
     def _check_sent(self, tensor: torch.Tensor, peer: str, tensor_shape) -> None:
         """The receiver allocates pipeline_dtype x tensor_shape: a sent tensor must match them."""
-        dtype = self.config.pipeline_dtype if self.config is not None else None
+        dtype = _option(self.config, "pipeline_dtype", None)
         if dtype is not None and tensor.dtype != dtype:
             raise MegatronCoreError(
                 f"pipeline p2p: tensor sent to the {peer} stage has dtype {tensor.dtype} but "
                 f"config.pipeline_dtype is {dtype} (the receiver would misread its bytes)"
             )
-        if tensor_shape is not None and tuple(tensor.shape) != tuple(tensor_shape):
+        if self._variable():
+            if tensor.dim() != 3:
+                raise MegatronCoreError(
+                    f"pipeline p2p: with variable_seq_lengths a sent tensor must be 3-D "
+                    f"[s, b, h], got shape {tuple(tensor.shape)}"
+                )
+        elif tensor_shape is not None and tuple(tensor.shape) != tuple(tensor_shape):
             raise MegatronCoreError(
                 f"pipeline p2p: tensor sent to the {peer} stage has shape {tuple(tensor.shape)} "
                 f"but the pipeline's tensor_shape is {tuple(tensor_shape)}"
             )
-
-    def _ops(self, send_next, recv_prev, send_prev, recv_next) -> list[tuple]:
-        """(op, tensor, peer, tag, description) in NOTE [ P2P matching ] rule 2's order."""
-        nxt, prv = self.next_rank, self.prev_rank
-        entries = {
-            "send_next": (dist.isend, send_next, nxt, _ACTIVATION_TAG, f"send to next rank {nxt}"),
-            "recv_prev": (
-                dist.irecv,
-                recv_prev,
-                prv,
-                _ACTIVATION_TAG,
-                f"recv from prev rank {prv}",
-            ),
-            "send_prev": (dist.isend, send_prev, prv, _GRADIENT_TAG, f"send to prev rank {prv}"),
-            "recv_next": (dist.irecv, recv_next, nxt, _GRADIENT_TAG, f"recv from next rank {nxt}"),
-        }
-        if self.pp_rank % 2 == 0:
-            order = ("send_next", "recv_prev", "send_prev", "recv_next")
-        else:
-            order = ("recv_prev", "send_next", "recv_next", "send_prev")
-        return [entries[name] for name in order if entries[name][1] is not None]
 
     def _communicate(
         self,
@@ -173,76 +169,122 @@ class P2PCommunicator:
         recv_next: bool,
         tensor_shape: Shape | None,
         wait_on_reqs: bool = True,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, _Requests]:
+    ):
         """Post the sends/receives of one step and (by default) wait for them.
 
         Returns:
             (tensor received from the previous stage or None, tensor received from the next
-            stage or None, the request handles; already waited for when ``wait_on_reqs``).
+            stage or None, the request handles: a dict keyed ``send_next`` / ``recv_prev`` /
+            ``send_prev`` / ``recv_next`` when ``wait_on_reqs`` is False, else None).
         """
         for name, sent in (("next", tensor_send_next), ("prev", tensor_send_prev)):
             if sent is not None:
                 self._check_sent(sent, name, tensor_shape)
-        buf_prev = (
-            self._empty(tensor_shape, "receive from the previous stage") if recv_prev else None
+        post_args = dict(
+            group=self.pp_group,
+            pp_rank=self.pp_rank,
+            next_rank=self.next_rank,
+            prev_rank=self.prev_rank,
+            batched=bool(_option(self.config, "batch_p2p_comm", True)),
+            timeout=self.timeout,
         )
-        buf_next = self._empty(tensor_shape, "receive from the next stage") if recv_next else None
-        sends = [
-            t if t is None else t.detach().contiguous()
-            for t in (tensor_send_next, tensor_send_prev)
-        ]
-        ops = self._ops(sends[0], buf_prev, sends[1], buf_next)
-        works, peers = [], []
-        if ops and _option(self.config, "batch_p2p_comm", True):
-            p2p = [dist.P2POp(op, t, peer, self.pp_group, tag) for op, t, peer, tag, _ in ops]
-            works = dist.batch_isend_irecv(p2p)
-            peers = [what for *_, what in ops]
-        else:
-            for op, t, peer, tag, what in ops:
-                works.append(op(t, peer, group=self.pp_group, tag=tag))
-                peers.append(what)
-        requests = _Requests(works, peers, self.timeout)
+        prev_shape = next_shape = tensor_shape
+        if self._variable():
+            prev_shape, next_shape = exchange_shapes(
+                tensor_send_next, tensor_send_prev, recv_prev, recv_next, **post_args
+            )
+        tensors = {
+            "send_next": None if tensor_send_next is None else tensor_send_next.detach(),
+            "recv_prev": self._empty(prev_shape, "receive from the previous stage")
+            if recv_prev
+            else None,
+            "send_prev": None if tensor_send_prev is None else tensor_send_prev.detach(),
+            "recv_next": self._empty(next_shape, "receive from the next stage")
+            if recv_next
+            else None,
+        }
+        for name in ("send_next", "send_prev"):
+            if tensors[name] is not None:
+                tensors[name] = tensors[name].contiguous()
+        requests = post(tensors, **post_args)
         if wait_on_reqs:
-            requests.wait()
-        return buf_prev, buf_next, requests
+            wait_all(requests)
+            requests = None
+        return tensors["recv_prev"], tensors["recv_next"], requests
 
-    def recv_forward(self, tensor_shapes: Shape, is_first_stage: bool) -> torch.Tensor | None:
-        """Receive the input activation from the previous stage (None on the first stage)."""
-        if is_first_stage:
-            return None
-        return self._communicate(None, None, True, False, tensor_shapes)[0]
+    @staticmethod
+    def _by_shape(shapes, call):
+        """megatron-core's convention for receives: one shape -> one tensor, a list of shapes
+        -> a list of tensors."""
+        if is_single_shape(shapes) or shapes is None:
+            return call(None, shapes)
+        return [call(None, shape) for shape in shapes]
 
-    def recv_backward(self, tensor_shapes: Shape, is_last_stage: bool) -> torch.Tensor | None:
+    @staticmethod
+    def _by_tensor(tensors, shapes, call):
+        """... and for sends: a tensor -> one result, a list of tensors -> a list, paired with
+        the shapes (one shape serves every tensor)."""
+        unwrap = not isinstance(tensors, list)
+        tensors = [tensors] if unwrap else tensors
+        if shapes is None or is_single_shape(shapes):
+            shapes = [shapes] * len(tensors)
+        results = [call(t, shape) for t, shape in zip(tensors, shapes)]
+        return results[0] if unwrap else results
+
+    def recv_forward(self, tensor_shapes, is_first_stage: bool):
+        """Receive the input activation from the previous stage (None on the first stage); a
+        list of shapes gives a list of tensors."""
+        return self._by_shape(
+            tensor_shapes,
+            lambda _, shape: (
+                None if is_first_stage else self._communicate(None, None, True, False, shape)[0]
+            ),
+        )
+
+    def recv_backward(self, tensor_shapes, is_last_stage: bool):
         """Receive the output's gradient from the next stage (None on the last stage)."""
-        if is_last_stage:
-            return None
-        return self._communicate(None, None, False, True, tensor_shapes)[1]
+        return self._by_shape(
+            tensor_shapes,
+            lambda _, shape: (
+                None if is_last_stage else self._communicate(None, None, False, True, shape)[1]
+            ),
+        )
 
-    def send_forward(self, output_tensors: torch.Tensor, is_last_stage: bool) -> None:
-        """Send the output activation to the next stage (nothing on the last stage)."""
+    def send_forward(self, output_tensors, is_last_stage: bool) -> None:
+        """Send the output activation(s) to the next stage (nothing on the last stage)."""
         if not is_last_stage:
-            self._communicate(output_tensors, None, False, False, None)
+            self._by_tensor(
+                output_tensors, None, lambda t, _: self._communicate(t, None, False, False, None)
+            )
 
-    def send_backward(self, input_tensor_grads: torch.Tensor, is_first_stage: bool) -> None:
-        """Send the input's gradient to the previous stage (nothing on the first stage)."""
+    def send_backward(self, input_tensor_grads, is_first_stage: bool) -> None:
+        """Send the input's gradient(s) to the previous stage (nothing on the first stage)."""
         if not is_first_stage:
-            self._communicate(None, input_tensor_grads, False, False, None)
+            self._by_tensor(
+                input_tensor_grads,
+                None,
+                lambda t, _: self._communicate(None, t, False, False, None),
+            )
 
-    def send_forward_recv_backward(
-        self, output_tensors: torch.Tensor, tensor_shapes: Shape, is_last_stage: bool
-    ) -> torch.Tensor | None:
+    def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage: bool):
         """Send the output forward and receive its gradient, in one step with the next stage."""
-        if is_last_stage:
-            return None
-        return self._communicate(output_tensors, None, False, True, tensor_shapes)[1]
+        return self._by_tensor(
+            output_tensors,
+            tensor_shapes,
+            lambda t, shape: (
+                None if is_last_stage else self._communicate(t, None, False, True, shape)[1]
+            ),
+        )
 
-    def send_backward_recv_forward(
-        self, input_tensor_grads: torch.Tensor, tensor_shapes: Shape, is_first_stage: bool
-    ) -> torch.Tensor | None:
+    def send_backward_recv_forward(self, input_tensor_grads, tensor_shapes, is_first_stage: bool):
         """Send the input's gradient back and receive the next input, in one step."""
-        if is_first_stage:
-            return None
-        return self._communicate(None, input_tensor_grads, True, False, tensor_shapes)[0]
+        return self._by_tensor(
+            input_tensor_grads,
+            tensor_shapes,
+            lambda t, shape: (
+                None if is_first_stage else self._communicate(None, t, True, False, shape)[0]
+            ),
+        )
 
     def send_forward_recv_forward(
         self,
@@ -253,8 +295,9 @@ class P2PCommunicator:
     ):
         """Send an activation to the next stage while receiving one from the previous stage.
 
-        Returns the received tensor (None unless ``recv_prev``), and with ``overlap_p2p_comm``
-        also the un-waited request handles (call ``.wait()`` before using the tensor).
+        Returns the received tensor (None unless ``recv_prev``); with ``overlap_p2p_comm``,
+        ``(tensor, handles)`` where handles maps ``send_next`` / ``recv_prev`` to requests not
+        yet waited for (wait ``recv_prev`` before reading the tensor).
         """
         received, _, reqs = self._communicate(
             output_tensor, None, recv_prev, False, tensor_shape, wait_on_reqs=not overlap_p2p_comm
@@ -268,7 +311,8 @@ class P2PCommunicator:
         tensor_shape: Shape,
         overlap_p2p_comm: bool = False,
     ):
-        """Send a gradient to the previous stage while receiving one from the next stage."""
+        """Send a gradient to the previous stage while receiving one from the next stage
+        (handles ``send_prev`` / ``recv_next`` with ``overlap_p2p_comm``)."""
         _, received, reqs = self._communicate(
             None,
             input_tensor_grad,

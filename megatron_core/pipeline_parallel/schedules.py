@@ -13,7 +13,8 @@ and virtual size. All take megatron-core's keyword arguments and return the list
 ``forward_step_func(data_iterator, model)`` returns ``(output, loss_func)``; ``loss_func(output)``
 returns ``(loss, {name: tensor})`` (loss averaged over the microbatches by the schedule) or
 ``(loss, num_tokens, {name: tensor})``. Model chunks take the received activation through
-``set_input_tensor`` and carry their ``config`` (pipeline_dtype, hidden_size, sequence_parallel).
+``set_input_tensor`` (always a list, as in megatron-core: ``[tensor]`` or ``[None]``) and carry
+their ``config`` (pipeline_dtype, hidden_size, sequence_parallel).
 
 # NOTE [ 1F1B ]
 Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters"), Fig. 4:
@@ -29,22 +30,35 @@ from __future__ import annotations
 
 import torch
 
-from megatron_core import parallel_state
-from megatron_core.errors import MegatronCoreError
-from megatron_core.pipeline_parallel._steps import (
-    backward_step,
+from megatron_core import parallel_state, process_groups_config
+from megatron_core.errors import ConfigError, MegatronCoreError
+from megatron_core.pipeline_parallel._args import (
     check_schedule_args,
     communicator,
-    custom_backward,
-    deallocate_output_tensor,
     finalize,
-    forward_step,
-    get_model_config,
     get_tensor_shapes,
     no_sync_context,
     one_chunk,
     option,
-    parallel_sizes,
+    parallel_groups,
+)
+from megatron_core.pipeline_parallel._embedding import (
+    clear_embedding_activation_buffer,
+    finish_embedding_wgrad_compute,
+)
+from megatron_core.pipeline_parallel._one_f_one_b import OneFOneB
+from megatron_core.pipeline_parallel._plan import get_pp_rank_microbatches, get_schedule_table
+from megatron_core.pipeline_parallel._steps import (
+    backward_step,
+    backward_step_multimodule,
+    check_first_val_step,
+    custom_backward,
+    deallocate_output_tensor,
+    forward_step,
+    forward_step_calc_loss,
+    get_model_config,
+    get_tensor_device,
+    set_current_microbatch,
     set_input_tensor,
 )
 from megatron_core.pipeline_parallel.interleaved import (
@@ -52,27 +66,49 @@ from megatron_core.pipeline_parallel.interleaved import (
 )
 from megatron_core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+Shape = list[int] | torch.Size  # megatron-core's alias for a p2p tensor shape
+
 __all__ = [
+    "Shape",
     "get_forward_backward_func",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
     "deallocate_output_tensor",
     "custom_backward",
+    "set_current_microbatch",
+    "forward_step_calc_loss",
     "forward_step",
     "backward_step",
+    "backward_step_multimodule",
+    "check_first_val_step",
+    "clear_embedding_activation_buffer",
+    "finish_embedding_wgrad_compute",
+    "get_pp_rank_microbatches",
+    "get_schedule_table",
     "get_tensor_shapes",
+    "get_tensor_device",
     "set_input_tensor",
 ]
 
 
-def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None):
+def get_forward_backward_func(
+    pp_size: int | None = None, vp_size: int | None = None, schedule_pg_collection=None
+):
     """The schedule for this pipeline: no pipelining (pp == 1), 1F1B, or interleaved 1F1B.
 
     Args:
         pp_size: pipeline size; with ``vp_size`` both None, both come from parallel_state.
         vp_size: virtual pipeline size (model chunks per stage), None for no interleaving.
+        schedule_pg_collection: megatron-core 0.19's multi-module collection, which selects its
+            bridge schedule; multi-module pipelines are not supported here (a clear error).
     """
+    multi = getattr(process_groups_config, "MultiModuleProcessGroupCollection", None)
+    if multi is not None and isinstance(schedule_pg_collection, multi):
+        raise MegatronCoreError(
+            "get_forward_backward_func: a MultiModuleProcessGroupCollection (megatron-core's "
+            "multi-module bridge schedule) is not supported by this package"
+        )
     if pp_size is None and vp_size is None:
         pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -100,6 +136,7 @@ def forward_backward_no_pipelining(
     adjust_tensor_shapes_fn=None,
     p2p_communicator: P2PCommunicator | None = None,
     pg_collection=None,
+    force_all_reduce: bool | None = False,
 ):
     """Run ``num_microbatches`` forward (and backward) passes on one stage, no communication.
 
@@ -111,6 +148,11 @@ def forward_backward_no_pipelining(
     """
     model = one_chunk(model, "model")
     data_iterator = one_chunk(data_iterator, "data_iterator")
+    if adjust_tensor_shapes_fn is not None:
+        raise MegatronCoreError(
+            "forward_backward_no_pipelining: adjust_tensor_shapes_fn is not supported without "
+            "pipeline parallelism (as in megatron-core)"
+        )
     config = get_model_config(model)
     check_schedule_args(
         num_microbatches=num_microbatches,
@@ -119,7 +161,7 @@ def forward_backward_no_pipelining(
         config=config,
         pp_size=1,
     )
-    _, cp_size = parallel_sizes(pg_collection)
+    _, cp_group = parallel_groups(pg_collection)
     store: list = []
     total_tokens = torch.tensor(0, dtype=torch.int)
 
@@ -133,20 +175,20 @@ def forward_backward_no_pipelining(
             None,
             store,
             config,
-            cp_size,
+            cp_group.size(),
             collect_non_loss_data,
-            is_first_microbatch=i == 0,
+            is_first_microbatch=check_first_val_step(first_val_step, forward_only, i == 0),
             current_microbatch=i,
         )
         total_tokens += tokens
         if not forward_only:
-            backward_step(None, output, None, config)
+            backward_step(None, output, None, None, config)
 
     with no_sync_context(config)():
         for i in range(num_microbatches - 1):
             one(i)
     one(num_microbatches - 1)
-    finalize(config, [model], total_tokens, forward_only)
+    finalize(config, [model], total_tokens, forward_only, pg_collection, force_all_reduce)
     return store
 
 
@@ -165,109 +207,50 @@ def forward_backward_pipelining_without_interleaving(
     adjust_tensor_shapes_fn=None,
     p2p_communicator: P2PCommunicator | None = None,
     pg_collection=None,
+    force_all_reduce: bool | None = False,
 ):
     """1F1B over the pipeline (NOTE [ 1F1B ]): this rank runs its stage's part of every
     microbatch, exchanging [s, b, h] activations and gradients with its neighbours.
 
     Returns:
         on the last stage, the list of ``loss_func``'s dicts (one per microbatch); else [].
+
+    Raises:
+        ConfigError (a ValueError, as megatron-core raises): ``config.overlap_p2p_comm`` (1F1B
+            does not overlap). MegatronCoreError: the checks every schedule makes. Both before
+            any communication.
     """
     model = one_chunk(model, "model")
     data_iterator = one_chunk(data_iterator, "data_iterator")
     config = get_model_config(model)
-    tp_size, cp_size = parallel_sizes(pg_collection)
+    if option(config, "overlap_p2p_comm", False):
+        raise ConfigError(
+            "forward_backward_pipelining_without_interleaving: overlap_p2p_comm (True) is not "
+            "supported by the non-interleaved schedule (as in megatron-core)"
+        )
+    tp_group, cp_group = parallel_groups(pg_collection)
+    p2p = communicator(p2p_communicator, pg_collection, config)
     check_schedule_args(
         num_microbatches=num_microbatches,
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         config=config,
-        pp_size=2,
-        tp_size=tp_size,
+        pp_size=p2p.pp_size,
+        tp_size=tp_group.size(),
     )
-    p2p = communicator(p2p_communicator, pg_collection, config)
-    shape = get_tensor_shapes(
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        config=config,
-        tp_size=tp_size,
-        cp_size=cp_size,
-    )[0]
+    shapes = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, config=config)
+    recv = get_tensor_shapes(
+        **shapes, decoder_seq_length=decoder_seq_length, tp_group=tp_group, cp_group=cp_group
+    )
+    send = list(recv)
     if adjust_tensor_shapes_fn is not None:
-        recv, send = adjust_tensor_shapes_fn([shape], [shape])
-        shape = recv[0]
-    first, last = p2p.is_pp_first_stage, p2p.is_pp_last_stage
-    warmup = min(p2p.pp_size - p2p.pp_rank - 1, num_microbatches)
-    remaining = num_microbatches - warmup
-    deallocate = option(config, "deallocate_pipeline_outputs", False)
-    store: list = []
-    total_tokens = torch.tensor(0, dtype=torch.int)
-    inputs: list = []
-    outputs: list = []
-
-    def run_forward(i: int, input_tensor):
-        nonlocal total_tokens
-        output, tokens = forward_step(
-            forward_step_func,
-            data_iterator,
-            model,
-            num_microbatches,
-            input_tensor,
-            store,
-            config,
-            cp_size,
-            collect_non_loss_data,
-            is_first_microbatch=i == 0,
-            current_microbatch=i,
-            is_last_stage=last,
-        )
-        total_tokens += tokens
-        return output
-
-    def run_backward(output_grad):
-        input_tensor, output = inputs.pop(0), outputs.pop(0)
-        return backward_step(input_tensor, output, output_grad, config)
-
-    sync_off = no_sync_context(config)()
-    sync_off.__enter__()
-    try:
-        for i in range(warmup):  # NOTE [ 1F1B ], rule 1
-            input_tensor = p2p.recv_forward(shape, first)
-            output = run_forward(i, input_tensor)
-            p2p.send_forward(output, last)
-            if not forward_only:
-                inputs.append(input_tensor)
-                outputs.append(output)
-                deallocate_output_tensor(output, deallocate)
-        input_tensor = p2p.recv_forward(shape, first) if remaining > 0 else None
-        for k in range(remaining):  # rule 2
-            final = k == remaining - 1
-            output = run_forward(k + warmup, input_tensor)
-            if forward_only:
-                p2p.send_forward(output, last)
-                input_tensor = None if final else p2p.recv_forward(shape, first)
-                continue
-            output_grad = p2p.send_forward_recv_backward(output, shape, last)
-            inputs.append(input_tensor)
-            outputs.append(output)
-            deallocate_output_tensor(output, deallocate)
-            if final and warmup == 0:
-                sync_off.__exit__(None, None, None)
-                sync_off = None
-            input_grad = run_backward(output_grad)
-            if final:
-                input_tensor = None
-                p2p.send_backward(input_grad, first)
-            else:
-                input_tensor = p2p.send_backward_recv_forward(input_grad, shape, first)
-        if not forward_only:
-            for i in range(warmup):  # rule 3
-                if i == warmup - 1 and sync_off is not None:
-                    sync_off.__exit__(None, None, None)
-                    sync_off = None
-                output_grad = p2p.recv_backward(shape, last)
-                p2p.send_backward(run_backward(output_grad), first)
-    finally:
-        if sync_off is not None:
-            sync_off.__exit__(None, None, None)
-    finalize(config, [model], total_tokens, forward_only)
-    return store
+        recv, send = adjust_tensor_shapes_fn(recv, send)
+    deferred = None
+    if not forward_only and option(config, "finalize_model_grads_func") is not None:
+        deferred = clear_embedding_activation_buffer(config, model, p2p.is_pp_last_stage)
+    run = OneFOneB(forward_step_func, data_iterator, model, num_microbatches, config, p2p)
+    run.execute(recv, send, cp_group.size(), forward_only, collect_non_loss_data, first_val_step)
+    if not forward_only and option(config, "finalize_model_grads_func") is not None:
+        finish_embedding_wgrad_compute(config, deferred, p2p.is_pp_last_stage, tp_group)
+    finalize(config, [model], run.total_tokens, forward_only, pg_collection, force_all_reduce)
+    return run.store
