@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_core import consistency, device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.utils import pick_group
+from megatron_core.utils import get_tensor_model_parallel_group_if_none
 
 __all__ = ["broadcast_data"]
 
@@ -112,6 +113,7 @@ def broadcast_data(
     if not isinstance(datatype, torch.dtype):
         raise MegatronCoreError(f"broadcast_data: datatype ({datatype!r}) must be a torch.dtype")
     group = pick_group("broadcast_data", tp_group, group)
+    group = get_tensor_model_parallel_group_if_none(group)  # megatron-core's lookup (patchable)
     group = parallel_state.get_tensor_model_parallel_group() if group is None else group
     consistency.check_collective("broadcast_data", group, keys=keys, datatype=datatype)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -25,6 +25,7 @@ import torch
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import _collectives as C
+from megatron_core.utils import get_tensor_model_parallel_group_if_none
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -200,8 +201,12 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _apply(region: type[torch.autograd.Function], input_, group, *args):
-    """``region`` over ``group`` (default: the TP group); the input itself on a 1-rank group."""
-    group = C.default_group(group)
+    """``region`` over ``group`` (default: the TP group); the input itself on a 1-rank group.
+
+    A None group is resolved through this module's ``get_tensor_model_parallel_group_if_none``,
+    as megatron-core's mappings do, so code (and tests) that patch that name here are obeyed.
+    """
+    group = C.default_group(get_tensor_model_parallel_group_if_none(group))
     return input_ if C.size_rank(group)[0] == 1 else region.apply(input_, group, *args)
 
 
@@ -335,7 +340,7 @@ def all_to_all_sp2hp(input_, group=None):
     Returns:
         [num_tokens, H / tp], num_tokens being the tokens of all ranks.
     """
-    group = C.default_group(group)
+    group = C.default_group(get_tensor_model_parallel_group_if_none(group))
     world_size, _ = C.size_rank(group)
     input_ = input_.reshape(-1, input_.shape[-1])
     if input_.shape[-1] % world_size:
@@ -359,7 +364,7 @@ def all_to_all_hp2sp(input_, group=None):
     Returns:
         [num_tokens / tp, H]: this rank's tokens with the full hidden dimension.
     """
-    group = C.default_group(group)
+    group = C.default_group(get_tensor_model_parallel_group_if_none(group))
     world_size, _ = C.size_rank(group)
     input_ = input_.reshape(-1, input_.shape[-1])
     if input_.shape[0] % world_size:
