@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -59,6 +60,7 @@ __all__ = [
     "reset_peak_memory_stats",
     "nvtx_range_push",
     "nvtx_range_pop",
+    "ignore_cuda_set_device",
 ]
 
 _SUPPORTED = ("cpu", "cuda")
@@ -216,6 +218,19 @@ def nvtx_range_pop() -> None:
     """Close the innermost NVTX range opened by :func:`nvtx_range_push`; a no-op on cpu."""
     if device_type() == "cuda":
         torch.cuda.nvtx.range_pop()
+
+
+def ignore_cuda_set_device() -> Callable[[], None]:
+    """Make ``torch.cuda.set_device`` a no-op (for CUDA-only set-up code run on CPU ranks, e.g.
+    a megatron-core test suite under the switch's pytest plugin); returns the function that
+    restores it."""
+    original = torch.cuda.set_device
+    torch.cuda.set_device = lambda device: None
+
+    def restore() -> None:
+        torch.cuda.set_device = original
+
+    return restore
 
 
 _OVERLAP_WARNED: set[str] = set()

@@ -9,8 +9,8 @@ Installed as a ``pytest11`` entry point, so pytest always loads it; it does noth
 1. installs the switch (megatron_core.megatron.install) before any conftest imports megatron, so
    the suite's ``megatron.core.parallel_state`` etc. are this package's;
 2. when torch has no CUDA, lets the suite's CUDA-only set-up run on CPU ranks: a process group
-   requested with the "nccl" backend is created with gloo, and ``torch.cuda.set_device`` does
-   nothing. Both are undone at the end of the session.
+   requested with the "nccl" backend is created with gloo, and CUDA's set_device does nothing
+   (device.ignore_cuda_set_device). Both are undone at the end of the session.
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ def _asked(early_config) -> bool:
 
 def _gloo_for_nccl_on_cpu() -> None:
     """Rule 2 of the module doc (only where torch has no CUDA)."""
-    import torch
     import torch.distributed as dist
 
-    if torch.cuda.is_available():
+    from megatron_core import device
+
+    if device.accelerator_count() > 0:
         return
-    original_init, original_set_device = dist.init_process_group, torch.cuda.set_device
+    original_init = dist.init_process_group
 
     def init_process_group(backend=None, *args, **kwargs):
         if isinstance(backend, str) and backend.lower() == "nccl":
@@ -57,9 +58,8 @@ def _gloo_for_nccl_on_cpu() -> None:
         return original_init(backend, *args, **kwargs)
 
     dist.init_process_group = init_process_group
-    torch.cuda.set_device = lambda device: None
     _UNDO.append(lambda: setattr(dist, "init_process_group", original_init))
-    _UNDO.append(lambda: setattr(torch.cuda, "set_device", original_set_device))
+    _UNDO.append(device.ignore_cuda_set_device())
 
 
 def pytest_load_initial_conftests(early_config, parser, args) -> None:

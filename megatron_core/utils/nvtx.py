@@ -1,7 +1,7 @@
 """NVTX ranges of ``megatron_core.utils`` (megatron-core's profiling hooks; re-exported there).
 
 Off until ``configure_nvtx_profiling(True)``; the ranges open through ``megatron_core.device``
-(``torch.cuda.nvtx`` on cuda, nothing on cpu). Names are checked on pop either way.
+(CUDA's NVTX on cuda, nothing on cpu). Names are checked on pop either way.
 """
 
 from __future__ import annotations
