@@ -11,7 +11,10 @@ by torchrun, or by this launcher, it is one rank.
    unexpected exception prints one line on the rank that raised it. ``--debug`` (or
    ``MEGATRON_CORE_DEBUG=1``) re-raises instead, with the Python traceback.
 2. Ctrl-C / SIGTERM. The first signal raises ``KeyboardInterrupt`` at the next Python bytecode;
-   later ones are ignored while the rank winds down. A peer blocked in a collective with a rank
+   later ones are ignored while the rank winds down. If that bytecode belongs to a finalizer
+   (``weakref.finalize``, ``__del__``), Python swallows the exception and prints "Exception
+   ignored"; the rank then hides that report and raises the interruption again in the main
+   thread (``_thread.interrupt_main``). A peer blocked in a collective with a rank
    that already stopped gets a connection error, which counts as the same interruption. One
    line is printed (by the built-in launcher, else by rank 0); the status is 130 (SIGINT) or
    143 (SIGTERM).
@@ -30,6 +33,7 @@ by torchrun, or by this launcher, it is one rank.
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import subprocess
@@ -72,18 +76,38 @@ def _exit(status: int) -> None:
     os._exit(status)
 
 
+_REINTERRUPT_DELAY_S = 0.05  # NOTE [ Clean exits ], rule 2: after the finalizer returned
+
+
 class _Signals:
     """Turns the first SIGINT/SIGTERM into KeyboardInterrupt; see NOTE [ Clean exits ], rule 2."""
 
     def __init__(self):
         self.received: int | None = None
+        self.swallowed = False  # the KeyboardInterrupt was raised inside a finalizer and lost
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
+        self._previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
 
     def _handle(self, signum, frame) -> None:
-        if self.received is None:
-            self.received = signum
+        if self.received is None or self.swallowed:
+            self.received = self.received or signum
+            self.swallowed = False
             raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable) -> None:
+        kind = unraisable.exc_type
+        if not (kind is not None and issubclass(kind, KeyboardInterrupt) and self.received):
+            self._previous_hook(unraisable)
+            return
+        self.swallowed = True  # raise it again in the main thread, once the finalizer is over
+        threading.Thread(target=_interrupt_main_soon, daemon=True).start()
+
+
+def _interrupt_main_soon() -> None:
+    time.sleep(_REINTERRUPT_DELAY_S)
+    _thread.interrupt_main()
 
 
 def _watch_parent(prog: str) -> int | None:
