@@ -15,8 +15,7 @@ megatron_core.training.
 import os
 import sys
 
-from megatron_core.training import initialize_distributed, parse_args, train
-from megatron_core.training.arguments import validate_args
+from megatron_core.training import check_locally, initialize_distributed, parse_args, train
 from megatron_core.training.launcher import launch
 
 
@@ -27,12 +26,12 @@ def _nproc_per_node(argv) -> int:
 def main() -> int:
     """One rank: parse arguments, start the process group and train; returns the exit status."""
     args = parse_args(sys.argv[1:])
-    # A layout that does not fit the world fails on every rank before any connection is made: a
-    # rank that exited after the process group started could break its peers' connection set-up
-    # and they would report that instead of the layout (train() validates again, unchanged).
-    validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    # A bad layout, model or data file fails on every rank before any connection is made: a rank
+    # that exited after the process group started could break a peer's gloo connection set-up,
+    # and the peer would report that instead (NOTE [ Clean exits ], rule 1).
+    corpus = check_locally(args, int(os.environ.get("WORLD_SIZE", "1")))
     initialize_distributed(args.device, args.distributed_timeout_minutes)
-    train(args)
+    train(args, corpus=corpus)
     return 0
 
 

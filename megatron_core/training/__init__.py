@@ -28,6 +28,7 @@ from megatron_core.training.data import (
 from megatron_core.training.loop import (
     TrainingResult,
     build_model_and_optimizer,
+    check_locally,
     initialize_distributed,
     learning_rate,
     model_config,
@@ -58,6 +59,7 @@ __all__ = [
     "get_batch",
     # loop.py
     "TrainingResult",
+    "check_locally",
     "initialize_distributed",
     "padded_vocab_size",
     "model_config",

@@ -7,7 +7,9 @@ by torchrun, or by this launcher, it is one rank.
 # NOTE [ Clean exits ]
 1. One line per failure. A user error (:class:`MegatronCoreError`: flags, layout, data,
    checkpoint) is raised alike on every rank (the package agrees before raising), so only global
-   rank 0 prints it, as ``<prog>: error: <message>``, and every rank exits with status 1. An
+   rank 0 prints it, as ``<prog>: error: <message>``, and every rank exits with status 1. The
+   checks that need no peer run before the process group starts (``check_locally``): a rank
+   that exits while a peer is still setting up its gloo connections would break them. An
    unexpected exception prints one line on the rank that raised it. ``--debug`` (or
    ``MEGATRON_CORE_DEBUG=1``) re-raises instead, with the Python traceback.
 2. Ctrl-C / SIGTERM. The first signal raises ``KeyboardInterrupt`` at the next Python bytecode;

@@ -50,6 +50,7 @@ __all__ = [
     "learning_rate",
     "train_step",
     "schedule_changes",
+    "check_locally",
     "train",
 ]
 
@@ -458,12 +459,27 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
     )
 
 
-def train(args: argparse.Namespace) -> TrainingResult:
+def check_locally(args: argparse.Namespace, world_size: int) -> ByteCorpus:
+    """Every check of :func:`train` that needs no peer (layout, model, data), for ``world_size``
+    ranks; returns the corpus. A launcher runs it before the process group starts, so a bad
+    flag fails on every rank before any connection exists (NOTE [ Clean exits ], rule 1).
+
+    Raises:
+        MegatronCoreError: as :func:`~megatron_core.training.arguments.validate_args`,
+            ``model_config`` and ``ByteCorpus.load`` do.
+    """
+    validate_args(args, world_size)
+    model_config(args)
+    return ByteCorpus.load(args.data, args.seq_length)
+
+
+def train(args: argparse.Namespace, corpus: ByteCorpus | None = None) -> TrainingResult:
     """Train a GPT as ``args`` (from :func:`~megatron_core.training.arguments.parse_args`) says.
 
     Call on every rank with torch.distributed initialized (torchrun +
     :func:`initialize_distributed`, or ``megatron_core.testing.run_distributed``).
-    parallel_state is initialized here and destroyed on return.
+    parallel_state is initialized here and destroyed on return. ``corpus``: the one
+    :func:`check_locally` returned (None: read ``args.data`` here).
 
     Raises:
         MegatronCoreError: torch.distributed not initialized, or invalid arguments (raised
@@ -476,7 +492,7 @@ def train(args: argparse.Namespace) -> TrainingResult:
         )
     validate_args(args, dist.get_world_size())
     config = model_config(args)
-    corpus = ByteCorpus.load(args.data, args.seq_length)
+    corpus = ByteCorpus.load(args.data, args.seq_length) if corpus is None else corpus
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
