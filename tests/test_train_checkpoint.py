@@ -225,8 +225,13 @@ def _damage(directory: Path, case: str) -> None:
         shard.write_bytes(shard.read_bytes()[:100])
     elif case == "missing":
         shard.unlink()
-    elif case in ("pickled code in metadata", "random metadata"):
-        payload = pickle.dumps(_Evil()) if case.startswith("pickled") else os.urandom(3000)
+    elif case in ("pickled code in metadata", "random metadata", "persistent id in metadata"):
+        payload = {
+            "pickled code in metadata": pickle.dumps(_Evil()),
+            "random metadata": os.urandom(3000),
+            # pickle's error for this one spans two lines; the message must still be one
+            "persistent id in metadata": b"P0\n.",
+        }[case]
         (iteration / ".metadata").write_bytes(payload)
         import hashlib
 
@@ -254,6 +259,7 @@ DAMAGE = {
     "missing": "__1_0.distcp is missing",
     "pickled code in metadata": "posix.system is not allowed in checkpoint metadata",
     "random metadata": ".metadata is unreadable",
+    "persistent id in metadata": ".metadata is unreadable (UnpicklingError: A load persistent id",
     "bad manifest": "manifest.json is unreadable",
     "no tracker": f"{TRACKER_FILENAME} does not exist",
     "unlisted shard": "__1_0.distcp is not listed in manifest.json",

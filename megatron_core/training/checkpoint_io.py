@@ -46,6 +46,7 @@ __all__ = [
     "TRACKER_FILENAME",
     "MANIFEST_FILENAME",
     "FORMAT",
+    "unreadable",
     "VERSION",
     "checkpoint_layout",
     "ShardSavePlanner",
@@ -170,6 +171,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
 
+def unreadable(path: Path, exc: BaseException) -> MegatronCoreError:
+    """The error for a checkpoint file that cannot be parsed, on one line (parsers' messages may
+    span several: pickle's persistent-id error does)."""
+    text = " ".join(str(exc).split())
+    return MegatronCoreError(f"{path} is unreadable ({type(exc).__name__}: {text})")
+
+
 def read_metadata(path: Path) -> Metadata:
     """DCP's metadata file ``path`` (``.metadata``), unpickled safely.
 
@@ -180,7 +188,7 @@ def read_metadata(path: Path) -> Metadata:
         with open(path, "rb") as file:
             metadata = _MetadataUnpickler(file).load()
     except Exception as exc:
-        raise MegatronCoreError(f"{path} is unreadable ({type(exc).__name__}: {exc})") from None
+        raise unreadable(path, exc) from None
     if not isinstance(metadata, Metadata):
         raise MegatronCoreError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
     return metadata

@@ -24,6 +24,7 @@ from megatron_core.training.checkpoint_io import (
     VERSION,
     checkpoint_layout,
     sha256_of,
+    unreadable,
 )
 
 __all__ = [
@@ -99,7 +100,7 @@ def read_manifest(
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise MegatronCoreError(f"{path} is unreadable ({type(exc).__name__}: {exc})") from None
+        raise unreadable(path, exc) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise MegatronCoreError(f"{path} is not a megatron_core checkpoint manifest")
     if manifest.get("version") != VERSION:
