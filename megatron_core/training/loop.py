@@ -460,14 +460,9 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
 
 
 def check_locally(args: argparse.Namespace, world_size: int) -> ByteCorpus:
-    """Every check of :func:`train` that needs no peer (layout, model, data), for ``world_size``
-    ranks; returns the corpus. A launcher runs it before the process group starts, so a bad
-    flag fails on every rank before any connection exists (NOTE [ Clean exits ], rule 1).
-
-    Raises:
-        MegatronCoreError: as :func:`~megatron_core.training.arguments.validate_args`,
-            ``model_config`` and ``ByteCorpus.load`` do.
-    """
+    """Run every check of :func:`train` that needs no peer (layout, model, data) for
+    ``world_size`` ranks and return the corpus; a launcher calls it before the process group
+    starts (NOTE [ Clean exits ], rule 1). Raises MegatronCoreError as those checks do."""
     validate_args(args, world_size)
     model_config(args)
     return ByteCorpus.load(args.data, args.seq_length)
