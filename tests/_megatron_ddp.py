@@ -15,6 +15,7 @@ from _megatron_gpt import (
     BATCH,
     SEQ,
     Run,
+    _forward_step,
     batch,
     build_model,
     cpu_only_cuda_calls,
@@ -50,19 +51,6 @@ def megatron_cores_finalize_model_grads():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.finalize_model_grads
-
-
-def _forward_step(data_iterator, model):
-    data = next(data_iterator)
-    output = model(
-        data["input_ids"], data["position_ids"], data["attention_mask"], labels=data["labels"]
-    )
-
-    def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
-        return loss, {"loss": loss.detach()}
-
-    return output, loss_func
 
 
 def _wrap(ddp_run: DDPRun, model):

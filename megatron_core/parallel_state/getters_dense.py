@@ -59,6 +59,27 @@ def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _size_or_zero(kind: str) -> int:
+    """Size of this rank's group of ``kind``; 0 without torch.distributed or the group."""
+    group = _state().group(kind, check=False) if _dist_ready() else None
+    return 0 if group is None else group.size()
+
+
+def _rank_or_zero(kind: str) -> int:
+    """This rank's index in its group of ``kind``; 0 without torch.distributed or the group."""
+    group = _state().group(kind, check=False) if _dist_ready() else None
+    return 0 if group is None else group.rank()
+
+
+def _global_ranks_or_none(kind: str, check_initialized: bool) -> list[int] | None:
+    """Global ranks of this rank's group of ``kind``; None if there is none and
+    ``check_initialized`` is False."""
+    state = _state()
+    if state.group(kind, check_initialized) is None:
+        return None
+    return state.ranks[kind]
+
+
 def _dp_kind(with_context_parallel: bool, partial_data_parallel: bool) -> str:
     if not with_context_parallel:
         if partial_data_parallel:
@@ -313,20 +334,15 @@ def get_gtp_weight_remat_group(check_initialized=True):
 
 def get_gtp_weight_remat_world_size():
     """Size of the weight-remat group (1); 0 without torch.distributed or the group."""
-    group = get_gtp_weight_remat_group(check_initialized=False) if _dist_ready() else None
-    return 0 if group is None else group.size()
+    return _size_or_zero("gtp-remat")
 
 
 def get_gtp_weight_remat_rank():
     """This rank's index in its weight-remat group (0)."""
-    group = get_gtp_weight_remat_group(check_initialized=False) if _dist_ready() else None
-    return 0 if group is None else group.rank()
+    return _rank_or_zero("gtp-remat")
 
 
 def get_gtp_weight_remat_global_ranks(check_initialized=True):
     """Global ranks of this rank's weight-remat group (``[global_rank]``); None if there is none
     and ``check_initialized`` is False."""
-    state = _state()
-    if state.group("gtp-remat", check_initialized) is None:
-        return None
-    return state.ranks["gtp-remat"]
+    return _global_ranks_or_none("gtp-remat", check_initialized)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import warnings
 
-import torch.distributed as dist
-
 from megatron_core.errors import MegatronCoreError
 from megatron_core.parallel_state.getters_dense import (
+    _dist_ready,
+    _global_ranks_or_none,
+    _rank_or_zero,
+    _size_or_zero,
     get_context_parallel_rank,
     get_data_parallel_rank,
     get_tensor_model_parallel_rank,
@@ -55,10 +57,6 @@ __all__ = [
     "get_data_modulo_expert_parallel_rank",
     "get_data_modulo_expert_parallel_world_size",
 ]
-
-
-def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _expert_dp_kind(partial_expert_data_parallel: bool) -> str:
@@ -272,20 +270,15 @@ def get_expert_gtp_weight_remat_group(check_initialized=True):
 
 def get_expert_gtp_weight_remat_world_size():
     """Size of the expert weight-remat group (1); 0 without torch.distributed or the group."""
-    group = get_expert_gtp_weight_remat_group(check_initialized=False) if _dist_ready() else None
-    return 0 if group is None else group.size()
+    return _size_or_zero("expt-gtp-remat")
 
 
 def get_expert_gtp_weight_remat_rank():
     """This rank's index in its expert weight-remat group (0)."""
-    group = get_expert_gtp_weight_remat_group(check_initialized=False) if _dist_ready() else None
-    return 0 if group is None else group.rank()
+    return _rank_or_zero("expt-gtp-remat")
 
 
 def get_expert_gtp_weight_remat_global_ranks(check_initialized=True):
     """Global ranks of this rank's expert weight-remat group; None if there is none and
     ``check_initialized`` is False."""
-    state = _state()
-    if state.group("expt-gtp-remat", check_initialized) is None:
-        return None
-    return state.ranks["expt-gtp-remat"]
+    return _global_ranks_or_none("expt-gtp-remat", check_initialized)
