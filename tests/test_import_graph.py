@@ -21,6 +21,7 @@ LEVELS = {
     "errors": 0,
     "enums": 0,
     "device": 0,
+    "compat": 0,
     "model_parallel_config": 1,
     "parallel_state": 1,
     "process_groups_config": 1,

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint  # torch < 2.7 does not import this submodule by itself
 
 from megatron_core import ModelParallelConfig
 from megatron_core import parallel_state as ps

@@ -27,6 +27,7 @@ import sys
 import warnings
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.megatron import _children
 from megatron_core.megatron._finder import MegatronSwitchFinder
 
 __all__ = [
@@ -146,6 +147,10 @@ def is_installed() -> bool:
 def install() -> None:
     """Serve the :data:`SERVED` megatron names from this package (idempotent).
 
+    It holds in this process and in the processes it starts (NOTE [ Switch in every process ] in
+    ``_children.py``: spawn/forkserver children install it before they unpickle anything, and
+    ``MEGATRON_CORE_SWITCH=1`` is set for programs that ask the environment).
+
     Raises:
         MegatronCoreError: megatron-core is missing or untested (:func:`check_version`), or a
             claimed megatron module was already imported from megatron-core (``install`` must run
@@ -163,14 +168,17 @@ def install() -> None:
         )
     _FINDER = MegatronSwitchFinder(SERVED)
     sys.meta_path.insert(0, _FINDER)
+    _children.arm(SWITCH_ENV)  # NOTE [ Switch in every process ] in _children.py
 
 
 def uninstall() -> None:
-    """Remove the import hook. Modules already imported keep the objects they were given."""
+    """Remove the import hook and the hand-over to child processes. Modules already imported keep
+    the objects they were given."""
     global _FINDER
     if _FINDER is not None and _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
     _FINDER = None
+    _children.disarm()
 
 
 def install_from_env() -> bool:

@@ -42,8 +42,10 @@ How it works:
 4. Every call starts from the same state: parallel_state not initialized, device type "cpu", one
    torch thread, torch seeded with ``RESET_SEED``. After the call each rank destroys
    parallel_state, resets the RNG tracker and re-seeds; if that reset fails the pool is discarded.
-5. Arguments and results travel as plain ``pickle`` bytes: tensors go by value, never through
-   shared memory or file descriptors.
+5. Arguments and results travel as ``pickle`` bytes: tensors go by value, never through shared
+   memory or file descriptors, and their storages are pickled by ``testing/pickling.py``, so a
+   library that changes torch's own storage pickling (megatron-core 0.19 does at import) cannot
+   make a rank import it while unpickling.
 6. Failure: once a rank fails, the others get ``_FAILURE_GRACE_S`` seconds to report (they may be
    blocked in a collective that will never complete), then the pool is killed.
 7. CUDA mode: with ``MEGATRON_CORE_TEST_DEVICE=cuda`` each rank binds GPU ``rank % count``, the
@@ -67,6 +69,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.testing import pickling
 from megatron_core.testing.pools import (
     _LOCK,
     DistributedTestError,
@@ -112,7 +115,7 @@ def _check_arguments(fn: Callable, world_size: Any, timeout: Any, args, kwargs) 
             f"module, not a lambda or a nested function): {type(exc).__name__}: {exc}"
         ) from exc
     try:
-        return pickle.dumps((fn, args, kwargs), protocol=_PROTOCOL)
+        return pickling.dumps((fn, args, kwargs))
     except Exception as exc:
         raise MegatronCoreError(
             f"the arguments for {getattr(fn, '__qualname__', fn)} must be picklable: "

@@ -19,6 +19,7 @@ import threading
 import traceback
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.testing import pickling
 
 RESET_SEED = 1234
 TEST_DEVICE_ENV = "MEGATRON_CORE_TEST_DEVICE"
@@ -96,7 +97,7 @@ def _run_task(task: bytes) -> bytes:
         from megatron_core import device
 
         device.set_device_type(harness_device_type())
-        reply = ("ok", pickle.dumps(fn(*args, **kwargs), protocol=_PROTOCOL))
+        reply = ("ok", pickling.dumps(fn(*args, **kwargs)))
     except BaseException as exc:  # reported to the caller, whatever it is
         reply = ("error", _describe(exc))
     return pickle.dumps((*reply, _reset_process_state()), protocol=_PROTOCOL)

@@ -1,0 +1,67 @@
+"""torch across its releases: the version as a number, and each API this package uses that is
+newer than its floor (torch 2.6, megatron-core's own), with the fallback for older releases.
+
+Everything version-dependent goes through here (DESIGN.md: "Every torch a user has"); the floor
+lane of CI (README "Support matrix") runs the fallbacks. Checks look for the feature itself where
+torch exposes one, and at the release number otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megatron_core.errors import MegatronCoreError
+
+__all__ = [
+    "FLOOR",
+    "parse_torch_version",
+    "torch_version",
+    "torch_at_least",
+    "require_torch",
+]
+
+FLOOR = (2, 6)  # setup.py's torch>=2.6
+
+_RELEASE = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?")
+
+
+def parse_torch_version(text: str) -> tuple[int, int, int]:
+    """The release of a torch version string as ``(major, minor, patch)``.
+
+    Pre-release, dev and local labels are dropped, so NVIDIA's container builds count as the
+    release they precede: ``"2.10.0a0+git1a2b3c"`` -> ``(2, 10, 0)``, ``"2.11.0+cu130"`` ->
+    ``(2, 11, 0)``, ``"2.6"`` -> ``(2, 6, 0)``.
+
+    Raises:
+        MegatronCoreError: ``text`` does not start with a release number.
+    """
+    match = _RELEASE.match(str(text))
+    if match is None:
+        raise MegatronCoreError(f"torch version {text!r} does not start with a release number")
+    return tuple(int(part or 0) for part in match.groups())
+
+
+def torch_version() -> tuple[int, int, int]:
+    """The installed torch's release, as :func:`parse_torch_version` reads it."""
+    return parse_torch_version(torch.__version__)
+
+
+def torch_at_least(major: int, minor: int, patch: int = 0) -> bool:
+    """Whether the installed torch is release ``major.minor.patch`` or newer (a pre-release or
+    local build of that release counts)."""
+    return torch_version() >= (major, minor, patch)
+
+
+def require_torch(feature: str, major: int, minor: int) -> None:
+    """Raise unless torch is at least ``major.minor``: for a feature that cannot work on older
+    releases.
+
+    Raises:
+        MegatronCoreError: naming the feature, the release it needs and the installed one.
+    """
+    if not torch_at_least(major, minor):
+        raise MegatronCoreError(
+            f"{feature} needs torch >= {major}.{minor}; this is torch {torch.__version__}"
+        )
