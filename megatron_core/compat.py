@@ -65,3 +65,4 @@ def require_torch(feature: str, major: int, minor: int) -> None:
         raise MegatronCoreError(
             f"{feature} needs torch >= {major}.{minor}; this is torch {torch.__version__}"
         )
+

@@ -304,16 +304,32 @@ def cpu_only_cuda_calls():
     (dist_checkpointing/strategies/filesystem_async.py, preload_tensors), and it agrees on
     failures with a tensor made on ``torch.cuda.current_device()``
     (strategies/state_dict_saver.py, save_state_dict_async_finalize); both raise "AssertionError:
-    Torch not compiled with CUDA enabled" on a CPU-only torch. With no CUDA there is nothing to
-    wait for and the CPU is the device, so a CPU user patches those two calls for the save."""
+    Torch not compiled with CUDA enabled" on a CPU-only torch. megatron-core 0.19's DDP also
+    waits on ``torch.cuda.current_stream()`` for CUDA-graph events in ``start_grad_sync``
+    (distributed/param_and_grad_buffer.py). With no CUDA there is nothing to wait for and the CPU
+    is the device, so a CPU user patches those calls."""
     if torch.cuda.is_available():
         yield
         return
     with (
         unittest.mock.patch.object(torch.cuda, "synchronize", lambda device=None: None),
         unittest.mock.patch.object(torch.cuda, "current_device", lambda: "cpu"),
+        unittest.mock.patch.object(torch.cuda, "current_stream", lambda device=None: _NoStream()),
     ):
         yield
+
+
+class _NoStream:
+    """The current stream of a device without streams: every wait is already satisfied."""
+
+    def wait_event(self, event) -> None:
+        del event
+
+    def wait_stream(self, stream) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        pass
 
 
 def save_checkpoint(run: Run, full: dict[str, torch.Tensor], directory: str) -> dict:

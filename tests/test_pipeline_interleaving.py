@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_core import parallel_state
+from megatron_core.megatron import megatron_core_version
 from megatron_core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron_core.testing import run_distributed
 
@@ -211,6 +212,7 @@ CASES = {
 
 def _expected_order(case, rank):
     """The stage's event order from megatron-core's own (pure) schedule functions."""
+    pytest.importorskip("megatron.core", reason="the [megatron] extra (megatron-core)")
     from megatron.core.pipeline_parallel import schedules as mcore
 
     pp, vp, m = case["pp"], case.get("vp"), case["m"]
@@ -334,6 +336,7 @@ def test_bad_combinations_raise_megatron_types_before_p2p():
 
 
 def test_schedule_table_and_warmup_equal_megatron():
+    pytest.importorskip("megatron.core", reason="the [megatron] extra (megatron-core)")
     from megatron.core.pipeline_parallel import schedules as mcore
 
     for m, vp, group in [(5, 2, 3), (8, 2, 4), (10, 2, 5), (6, 3, 2), (7, 2, 7), (4, 4, 4)]:
@@ -354,7 +357,9 @@ def test_schedule_table_and_warmup_equal_megatron():
 
 
 def test_public_signatures_are_megatron_prefixes():
-    # 0.16.1's parameters, in order, come first (later additions are keywords with defaults).
+    # 0.16.1's parameters, in order, come first (later additions are keywords with defaults);
+    # a newer megatron-core's are all accepted by keyword (README: "Newer megatron-core").
+    pytest.importorskip("megatron.core", reason="the [megatron] extra (megatron-core)")
     from megatron.core.pipeline_parallel import p2p_communication as mp2p
     from megatron.core.pipeline_parallel import schedules as mcore
     from megatron.core.pipeline_parallel import utils as mutils
@@ -370,10 +375,14 @@ def test_public_signatures_are_megatron_prefixes():
             continue
         want = list(inspect.signature(getattr(theirs, name)).parameters)
         got = list(inspect.signature(getattr(ours, name)).parameters)
-        assert got[: len(want)] == want, name
+        if megatron_core_version() == "0.16.1":
+            assert got[: len(want)] == want, name
+        else:
+            assert set(want) <= set(got), name
 
 
 def test_small_helpers_match_megatron():
+    pytest.importorskip("megatron.core", reason="the [megatron] extra (megatron-core)")
     from megatron.core.pipeline_parallel import p2p_communication as mp2p
     from megatron.core.pipeline_parallel import utils as mutils
 

@@ -202,4 +202,7 @@ def test_under_torchrun_a_user_error_is_printed_once(tmp_path):
     assert done.returncode != 0
     output = done.stdout + done.stderr
     assert output.count("train_gpt.py: error: world size (2) must be divisible") == 1, output
-    assert f'File "{REPO}' not in output, output  # no traceback through our code
+    # No traceback through our code. torch >= 2.11's agent prints its own traceback (through
+    # torch, which may live below the repository in a virtual environment) after the line.
+    for ours in ("megatron_core", "scripts"):
+        assert f'File "{os.path.join(REPO, ours)}' not in output, output

@@ -168,7 +168,7 @@ def install() -> None:
         )
     _FINDER = MegatronSwitchFinder(SERVED)
     sys.meta_path.insert(0, _FINDER)
-    _children.arm(SWITCH_ENV)  # NOTE [ Switch in every process ] in _children.py
+    _children.arm(install, SWITCH_ENV)  # NOTE [ Switch in every process ] in _children.py
 
 
 def uninstall() -> None:

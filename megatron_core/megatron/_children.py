@@ -27,35 +27,32 @@ __all__ = ["arm", "disarm"]
 
 _PREPARATION_KEY = "megatron_core_switch"  # ignored by multiprocessing's own prepare()
 _ORIGINAL = multiprocessing.spawn.get_preparation_data
-_STATE = {"armed": False, "set_env": None}
-
-
-def _install_in_child() -> str:
-    """Runs in the child while it unpickles the preparation data (rule 1)."""
-    from megatron_core import megatron
-
-    megatron.install()
-    return "installed"
+_STATE = {"install": None, "set_env": None}
 
 
 class _InstallInChild:
-    """Unpickles as a call of :func:`_install_in_child`."""
+    """Unpickles as a call of the switch's ``install`` (rule 1): pickled by reference, so the
+    child imports the switch and installs it right there."""
+
+    def __init__(self, install):
+        self.install = install
 
     def __reduce__(self):
-        return _install_in_child, ()
+        return self.install, ()
 
 
 def _get_preparation_data(name):
     data = _ORIGINAL(name)
-    if _STATE["armed"]:
-        data[_PREPARATION_KEY] = _InstallInChild()
+    if _STATE["install"] is not None:
+        data[_PREPARATION_KEY] = _InstallInChild(_STATE["install"])
     return data
 
 
-def arm(env_name: str) -> None:
-    """Rules 1 and 4: children started from now on install the switch."""
+def arm(install, env_name: str) -> None:
+    """Rules 1 and 4: children started from now on call ``install()`` (a top-level function,
+    pickled by reference) first, and see ``env_name=1``."""
     multiprocessing.spawn.get_preparation_data = _get_preparation_data
-    _STATE["armed"] = True
+    _STATE["install"] = install
     if os.environ.get(env_name) is None:
         os.environ[env_name] = "1"
         _STATE["set_env"] = env_name
@@ -63,7 +60,7 @@ def arm(env_name: str) -> None:
 
 def disarm() -> None:
     """Rule 5."""
-    _STATE["armed"] = False
+    _STATE["install"] = None
     if multiprocessing.spawn.get_preparation_data is _get_preparation_data:
         multiprocessing.spawn.get_preparation_data = _ORIGINAL
     env_name = _STATE["set_env"]

@@ -143,6 +143,24 @@ def _initialize_affine_weight_cpu(
     return master_weight if return_master_weight else None
 
 
+def init_from_fp32_draw(init_method: Callable, tensor: torch.Tensor) -> None:
+    """``init_method(tensor)`` in place; a bf16/fp16 ``tensor`` gets the fp32 draw rounded.
+
+    torch's kernels draw half-precision tensors with other algorithms than fp32 ones (CPU torch
+    <= 2.11 for every size; 2.13 for sizes that are not a multiple of its vector width), so a
+    half-precision model initialized in its own dtype would not start from its fp32 twin's
+    weights. Here the draw goes into an fp32 buffer of the same shape (consuming the RNG as the
+    fp32 model does) and is copied in: a bf16 model is the fp32 one rounded, on every torch and
+    device. Call it under ``torch.no_grad()`` for a parameter.
+    """
+    if tensor.dtype not in (torch.float16, torch.bfloat16):
+        init_method(tensor)
+        return
+    buffer = torch.empty(tensor.shape, dtype=torch.float32, device=tensor.device)
+    init_method(buffer)
+    tensor.copy_(buffer)
+
+
 def _initialize_affine_weight_gpu(
     weight: torch.Tensor,
     init_method: Callable,
@@ -152,7 +170,8 @@ def _initialize_affine_weight_gpu(
     *,
     skip_set_tensor_parallel_attributes: bool = False,
 ) -> None:
-    """Draw this rank's shard in place on its device, inside the tracker's RNG stream."""
+    """Draw this rank's shard in place on its device, inside the tracker's RNG stream (a
+    half-precision shard gets the fp32 draw rounded: :func:`init_from_fp32_draw`)."""
     if not skip_set_tensor_parallel_attributes:
         set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     if is_expert:
@@ -160,7 +179,7 @@ def _initialize_affine_weight_gpu(
     else:
         stream = get_model_parallel_rng_tracker_name()
     with get_cuda_rng_tracker().fork(stream), torch.no_grad():
-        init_method(weight)
+        init_from_fp32_draw(init_method, weight)
 
 
 def _init_shard(

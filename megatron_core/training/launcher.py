@@ -7,7 +7,9 @@ by torchrun, or by this launcher, it is one rank.
 # NOTE [ Clean exits ]
 1. One line per failure. A user error (:class:`MegatronCoreError`: flags, layout, data,
    checkpoint) is raised alike on every rank (the package agrees before raising), so only global
-   rank 0 prints it, as ``<prog>: error: <message>``, and every rank exits with status 1. The
+   rank 0 prints it, as ``<prog>: error: <message>``, and every rank exits with status 1. Under
+   another launcher (torchrun stops every rank once one exits) the other ranks wait to be
+   stopped, so that rank 0 gets to print; one not stopped within 10 s prints its own line. The
    checks that need no peer run before the process group starts (``check_locally``): a rank
    that exits while a peer is still setting up its gloo connections would break them. An
    unexpected exception prints one line on the rank that raised it. ``--debug`` (or
@@ -140,6 +142,21 @@ def _stop_orphan(prog: str, parent: int) -> None:
     _exit(1)
 
 
+_PEER_REPORT_WAIT_S = 2 * _GRACE_S
+
+
+def _leave_the_report_to_rank0(prog: str, rank: int, exc: BaseException, signals) -> None:
+    """NOTE [ Clean exits ], rule 1, under another launcher (torchrun): rank 0 prints a user
+    error, but torchrun stops every rank as soon as one exits, so a rank that exited first could
+    stop rank 0 before it printed. This rank waits to be stopped instead; if nobody stops it (the
+    error was this rank's alone, or the launcher lets ranks run on), it prints the line itself."""
+    try:
+        time.sleep(_PEER_REPORT_WAIT_S)
+    except KeyboardInterrupt:  # the launcher's SIGTERM, once rank 0 exited
+        _exit(128 + (signals.received or signal.SIGINT))
+    _say(prog, f"error on rank {rank}: {exc}")
+
+
 def _run_rank(prog: str, main: Callable[[], int], debug: bool) -> None:
     """Run ``main`` as one rank and exit the process with NOTE [ Clean exits ]' rules."""
     signals = _Signals()
@@ -164,6 +181,8 @@ def _run_rank(prog: str, main: Callable[[], int], debug: bool) -> None:
         if isinstance(exc, MegatronCoreError):
             if rank == 0:
                 _say(prog, f"error: {exc}")
+            elif not os.environ.get(LAUNCHER_PID_ENV):
+                _leave_the_report_to_rank0(prog, rank, exc, signals)
         else:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             _say(

@@ -3,7 +3,8 @@
 NOTE [ Mixed precision ]
 1. Model. ``--bf16`` / ``--fp16`` build the model with ``params_dtype`` bf16 / fp16, so weights
    and activations are half precision; attention softmax and the vocab-parallel cross entropy
-   compute in fp32 (the loss is fp32).
+   compute in fp32 (the loss is fp32). The weights start as the fp32 model's draw rounded
+   (``layer_params.init_from_fp32_draw``: torch's own half draws differ by release).
 2. Main grads. Every model parameter gets an fp32 ``param.main_grad`` buffer. The parallel
    linear layers add their weight gradient into it directly (``gradient_accumulation_fusion``:
    apex's kernel on CUDA, else torch's addmm in fp32, see linear_impl.py); every other

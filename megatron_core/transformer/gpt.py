@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from megatron_core import consistency, device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_core.tensor_parallel.layer_params import init_from_fp32_draw
 from megatron_core.tensor_parallel.layers import (
     VocabParallelEmbedding,
     linear_with_grad_accumulation_and_async_allreduce,
@@ -105,7 +106,7 @@ class GPTModel(torch.nn.Module):
             )
             if config.perform_initialization:
                 with torch.no_grad():
-                    config.init_method(self.position_embeddings.weight)
+                    init_from_fp32_draw(config.init_method, self.position_embeddings.weight)
             # Under SP each rank uses only its positions: the gradient is partial (all-reduce it).
             self.position_embeddings.weight.sequence_parallel = config.sequence_parallel
         self.decoder = TransformerBlock(config, pre_process, post_process, vp_stage)
