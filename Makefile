@@ -1,5 +1,6 @@
 # Two commands on a fresh machine with Python 3.10+ (README "Quick start"):
-#   make train    create .venv, install torch (the tested version) and this package, run the main job
+#   make train    create .venv, install torch (the main lane's, README "Support matrix") and this
+#                 package, run the main job
 #   make test     the same set-up, then the test suite (the README's test command, in .venv)
 # Options: NPROC=4 (ranks), ARGS="--train-iters 100" (more train_gpt.py flags),
 # TORCH_INDEX= (empty: PyPI's default torch wheels, e.g. with CUDA; default: CPU-only wheels),

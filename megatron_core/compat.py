@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.utils.checkpoint  # a submodule torch < 2.7 does not import by itself
 
 from megatron_core.errors import MegatronCoreError
 
@@ -20,9 +21,14 @@ __all__ = [
     "torch_version",
     "torch_at_least",
     "require_torch",
+    "checkpoint_early_stop_override",
 ]
 
 FLOOR = (2, 6)  # setup.py's torch>=2.6
+
+# torch.utils.checkpoint's early-stop switch: None until set_checkpoint_early_stop sets it (torch
+# >= 2.7), or a plain bool that starts True (2.6), which cannot tell "unset" from "set to True".
+_EARLY_STOP_DEFAULT = getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None)
 
 _RELEASE = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?")
 
@@ -66,3 +72,16 @@ def require_torch(feature: str, major: int, minor: int) -> None:
             f"{feature} needs torch >= {major}.{minor}; this is torch {torch.__version__}"
         )
 
+
+
+def checkpoint_early_stop_override() -> bool | None:
+    """What ``torch.utils.checkpoint.set_checkpoint_early_stop`` asks for right now, or None
+    when it is not in effect.
+
+    Fallback for torch 2.6, whose switch is a bool that starts True: there only a False (set by
+    the context manager) counts; True is the unset default (and early stop's default anyway).
+    """
+    value = getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None)
+    if value is None or _EARLY_STOP_DEFAULT is None:
+        return value
+    return None if value == _EARLY_STOP_DEFAULT else bool(value)

@@ -1,11 +1,13 @@
 """megatron_core.compat (torch's version read with its labels, the fallbacks for torch releases
 older than the APIs this package uses: run for real on the floor lane, torch 2.6), and the
-half-precision initialization that differs between torch releases."""
+half-precision initialization that differs between torch releases, and the Python 3.10 stand-in
+for ``co_qualname`` in the consistency texts."""
 
 import pytest
 import torch
 
 from megatron_core import compat
+from megatron_core.consistency.text import qualname_by_lookup
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.layer_params import init_from_fp32_draw
 
@@ -76,3 +78,62 @@ def test_fp32_init_is_untouched():
     init_from_fp32_draw(_normal, a)
     torch.manual_seed(3)
     assert torch.equal(a, torch.empty(8).normal_(0.0, 0.02))
+
+
+class _Owner:
+    def method(self):
+        return self
+
+    @staticmethod
+    def static():
+        return None
+
+    @classmethod
+    def klass(cls):
+        return cls
+
+
+def _top_level():
+    def nested():
+        return None
+
+    return nested
+
+
+@pytest.mark.parametrize(
+    "function, name",
+    [
+        (_Owner.method, "_Owner.method"),
+        (_Owner.static, "_Owner.static"),
+        (_Owner.klass, "_Owner.klass"),
+        (_top_level, "_top_level"),
+        (_top_level(), "nested"),  # not reachable from the module: its bare name
+    ],
+)
+def test_python_310_qualname_stand_in(function, name):
+    # consistency's error texts name the package functions on the stack; Python 3.10 code
+    # objects have no co_qualname, so the name is looked up in the function's module.
+    code = getattr(function, "__func__", function).__code__
+    assert qualname_by_lookup(code, globals()) == name
+
+
+@pytest.mark.parametrize("torch_default", [None, True])  # torch >= 2.7 / torch 2.6
+def test_checkpoint_early_stop_override(torch_default, monkeypatch):
+    import torch.utils.checkpoint as tuc
+
+    monkeypatch.setattr(compat, "_EARLY_STOP_DEFAULT", torch_default)
+    monkeypatch.setattr(tuc, "_enable_checkpoint_early_stop", torch_default)
+    assert compat.checkpoint_early_stop_override() is None  # nothing set: the argument decides
+    monkeypatch.setattr(tuc, "_enable_checkpoint_early_stop", False)
+    assert compat.checkpoint_early_stop_override() is False
+    monkeypatch.setattr(tuc, "_enable_checkpoint_early_stop", True)
+    # torch 2.6 cannot tell a True set by set_checkpoint_early_stop from its default.
+    assert compat.checkpoint_early_stop_override() is (None if torch_default else True)
+
+
+def test_torchs_early_stop_context_is_honoured():
+    import torch.utils.checkpoint as tuc
+
+    with tuc.set_checkpoint_early_stop(False):
+        assert compat.checkpoint_early_stop_override() is False
+    assert compat.checkpoint_early_stop_override() is None

@@ -57,13 +57,32 @@ def describe_group(group: dist.ProcessGroup | None) -> str:
     return f"the {' / '.join(names[:2])} group (global ranks {ranks})"
 
 
+def _qualname(frame) -> str:
+    """The qualified name of the function ``frame`` runs (``Class.method``)."""
+    qualname = getattr(frame.f_code, "co_qualname", None)  # Python >= 3.11
+    return qualname if qualname is not None else qualname_by_lookup(frame.f_code, frame.f_globals)
+
+
+def qualname_by_lookup(code, module_globals: dict) -> str:
+    """Python 3.10's stand-in for ``code.co_qualname``: the qualified name of the module's
+    function or class member (static and class methods included) that owns ``code``, else the
+    bare ``co_name`` (a nested function)."""
+    for value in list(module_globals.values()):
+        members = vars(value).values() if isinstance(value, type) else (value,)
+        for member in members:
+            function = getattr(member, "__func__", member)  # staticmethod / classmethod
+            if getattr(function, "__code__", None) is code:
+                return function.__qualname__
+    return code.co_name
+
+
 def call_site() -> str:
     """The package functions on the stack, outermost first (error path only)."""
     names = []
     frame = sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        qualname = frame.f_code.co_qualname
+        qualname = _qualname(frame)
         if (
             module.startswith("megatron_core.")
             and module not in _SKIPPED_MODULES

@@ -46,8 +46,8 @@ __all__ = [
 SWITCH_ENV = "MEGATRON_CORE_SWITCH"
 ANY_VERSION_ENV = "MEGATRON_CORE_SWITCH_ANY_VERSION"
 
-# Releases the switch was tested with: 0.16.1 end to end (CI, Python 3.11); 0.19.x by its API
-# manifest only (0.17+ requires Python >= 3.12).
+# Releases the switch was tested with, end to end: 0.16.1 (Python 3.10/3.11) and 0.19.2 (3.12;
+# 0.17+ requires it); README "Support matrix".
 SUPPORTED_VERSIONS = ("0.16.1", "0.19.*")
 
 _TP = "megatron.core.tensor_parallel"
@@ -116,7 +116,8 @@ def check_version(version: str | None = None) -> str:
     if version is None:
         raise MegatronCoreError(
             "megatron switch: megatron-core is not installed; install the extra with "
-            "pip install \"megatron-tp-core[megatron]\" (megatron-core==0.16.1)"
+            "pip install \"megatron-tp-core[megatron]\" (megatron-core 0.16.1, or 0.19.x on "
+            "Python 3.12)"
         )
     if _supported(version):
         return version

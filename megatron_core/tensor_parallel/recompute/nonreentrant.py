@@ -45,6 +45,7 @@ import torch.utils.checkpoint  # a submodule torch < 2.7 does not import by itse
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from megatron_core import compat
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.recompute.debug import OpLog, first_difference
 from megatron_core.tensor_parallel.recompute.saved_inputs import (
@@ -128,8 +129,8 @@ def set_checkpoint_early_stop(enable: bool) -> Iterator[None]:
 def _resolve_early_stop(early_stop: bool) -> bool:
     if _early_stop_override is not None:
         return _early_stop_override
-    torch_override = getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None)
-    return early_stop if torch_override is None else bool(torch_override)
+    torch_override = compat.checkpoint_early_stop_override()
+    return early_stop if torch_override is None else torch_override
 
 
 def _graph_task_id() -> Any:
