@@ -20,6 +20,7 @@ __all__ = [
     "torch_version",
     "torch_at_least",
     "require_torch",
+    "redispatch_torch_function",
 ]
 
 FLOOR = (2, 6)  # setup.py's torch>=2.6
@@ -65,3 +66,18 @@ def require_torch(feature: str, major: int, minor: int) -> None:
         raise MegatronCoreError(
             f"{feature} needs torch >= {major}.{minor}; this is torch {torch.__version__}"
         )
+
+
+def redispatch_torch_function(mode, func, types, args, kwargs):
+    """Run ``func`` from ``mode``'s ``__torch_function__`` with ``mode`` active inside it.
+
+    torch takes a mode off the stack while its handler runs; ``torch.overrides.
+    redispatch_function`` (newer torch) runs ``func``'s body once without dispatching back to the
+    handler, so ``with mode:`` around it makes the inner calls see the mode. Where torch lacks it
+    the body runs as torch runs it by default: without the mode.
+    """
+    redispatch = getattr(torch.overrides, "redispatch_function", None)
+    if redispatch is None:
+        return func(*args, **kwargs)
+    with mode:
+        return redispatch(func, types, args, kwargs)

@@ -16,6 +16,8 @@
    script.py``, or the pytest plugin. ``install()`` also sets ``MEGATRON_CORE_SWITCH=1`` in the
    environment, which those two honour, so a program that ran ``install()`` passes the request on.
 5. ``uninstall()`` undoes 1 and 4 (4 only if ``install()`` set the variable).
+6. A spawn/forkserver child turns the CPU mode (``cpu_mode.py``) on or off as the parent had it
+   when it started the child; a program of its own decides by itself (rule 4).
 """
 
 from __future__ import annotations
@@ -27,35 +29,39 @@ __all__ = ["arm", "disarm"]
 
 _PREPARATION_KEY = "megatron_core_switch"  # ignored by multiprocessing's own prepare()
 _ORIGINAL = multiprocessing.spawn.get_preparation_data
-_STATE = {"armed": False, "set_env": None}
+_STATE = {"armed": False, "set_env": None, "cuda_on_cpu": None}
 
 
-def _install_in_child() -> str:
-    """Runs in the child while it unpickles the preparation data (rule 1)."""
+def _install_in_child(cuda_on_cpu: bool | None = None) -> str:
+    """Runs in the child while it unpickles the preparation data (rules 1 and 6)."""
     from megatron_core import megatron
 
-    megatron.install()
+    megatron.install(cuda_on_cpu=cuda_on_cpu)
     return "installed"
 
 
 class _InstallInChild:
     """Unpickles as a call of :func:`_install_in_child`."""
 
+    def __init__(self, cuda_on_cpu: bool | None):
+        self.cuda_on_cpu = cuda_on_cpu
+
     def __reduce__(self):
-        return _install_in_child, ()
+        return _install_in_child, (self.cuda_on_cpu,)
 
 
 def _get_preparation_data(name):
     data = _ORIGINAL(name)
     if _STATE["armed"]:
-        data[_PREPARATION_KEY] = _InstallInChild()
+        data[_PREPARATION_KEY] = _InstallInChild(_STATE["cuda_on_cpu"])
     return data
 
 
-def arm(env_name: str) -> None:
-    """Rules 1 and 4: children started from now on install the switch."""
+def arm(env_name: str, cuda_on_cpu: bool | None = None) -> None:
+    """Rules 1, 4 and 6: children started from now on install the switch."""
     multiprocessing.spawn.get_preparation_data = _get_preparation_data
     _STATE["armed"] = True
+    _STATE["cuda_on_cpu"] = cuda_on_cpu
     if os.environ.get(env_name) is None:
         os.environ[env_name] = "1"
         _STATE["set_env"] = env_name
