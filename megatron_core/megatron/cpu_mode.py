@@ -14,8 +14,10 @@ by ``megatron_core.megatron.install``; every name it answers is in :data:`ANSWER
    ``torch.device``, an integer index such as ``torch.cuda.current_device()``'s 0) to the CPU: the
    ``device=`` keyword of any torch function (factories, ``Tensor.new_*``, ``Tensor.to``) and the
    first positional argument of ``Tensor.to``. ``Tensor.cuda()`` returns the tensor itself, so
-   ``Module.cuda()`` moves nothing. Arguments that do not name CUDA pass untouched, so this
-   package's own code (which never names CUDA) runs as without the mode.
+   ``Module.cuda()`` moves nothing, and ``Tensor.type()`` names a CPU tensor's type as CUDA's
+   (``torch.cuda.FloatTensor``: megatron-core's optimizers assert it). Arguments that do not
+   name CUDA pass untouched, so this package's own code (which never names CUDA) runs as
+   without the mode.
 3. Re-entry. torch takes a mode off the stack while its handler runs, so code that autograd's
    entry points run (hooks, a custom ``Function.backward``, reentrant checkpointing) would run
    without it. For ``Tensor.backward``, ``torch.autograd.backward`` and ``torch.autograd.grad``
@@ -88,6 +90,7 @@ ANSWERED: dict[str, str] = {
     "torch.distributed.new_group": "gloo where NCCL is asked for",
     "torch.Tensor.to": "a device naming CUDA is the CPU",
     "torch.Tensor.cuda": "the tensor itself",
+    "torch.Tensor.type": "a CPU tensor's type named as on CUDA (torch.cuda.FloatTensor)",
     "torch.nn.Module.cuda": "moves nothing (through torch.Tensor.cuda)",
 }
 
@@ -116,6 +119,8 @@ class _CudaOnCpu(TorchFunctionMode):
             return args[0]
         if func is _TENSOR_TO and len(args) > 1 and _names_cuda(args[1]):
             args = (args[0], _CPU, *args[2:])
+        if func is _TENSOR_TYPE:
+            return _tensor_type(*args, **(kwargs or {}))
         if func in _AUTOGRAD_ENTRIES:
             return compat.redispatch_torch_function(self, func, types, args, kwargs or {})
         return func(*args, **(kwargs or {}))
@@ -123,6 +128,20 @@ class _CudaOnCpu(TorchFunctionMode):
 
 _TENSOR_CUDA = torch.Tensor.cuda
 _TENSOR_TO = torch.Tensor.to
+_TENSOR_TYPE = torch.Tensor.type
+
+
+def _tensor_type(tensor, dtype=None, non_blocking=False, **kwargs):
+    """NOTE rule 2: ``Tensor.type()`` names a CPU tensor's type as on CUDA
+    (``torch.cuda.FloatTensor``), and a conversion to a CUDA type name converts to the CPU one."""
+    if dtype is None and not kwargs:
+        name = _TENSOR_TYPE(tensor)
+        if tensor.device.type == "cpu" and name.startswith("torch.") and ".cuda." not in name:
+            return "torch.cuda." + name[len("torch.") :]
+        return name
+    if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+        dtype = "torch." + dtype[len("torch.cuda.") :]
+    return _TENSOR_TYPE(tensor, dtype, non_blocking, **kwargs)
 _AUTOGRAD_ENTRIES = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
 
 
@@ -219,6 +238,10 @@ def _seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+def _set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
+    torch.default_generator.set_state(new_state)
+
+
 def _gloo_for_nccl(original):
     """``original`` (init_process_group / new_group) with NOTE rule 6 applied."""
     signature = inspect.signature(original)
@@ -254,9 +277,7 @@ def _stand_ins() -> dict[tuple[object, str], object]:
         (cuda, "manual_seed"): _seed,
         (cuda, "manual_seed_all"): _seed,
         (cuda, "get_rng_state"): lambda device="cuda": torch.default_generator.get_state(),
-        (cuda, "set_rng_state"): lambda new_state, device="cuda": (
-            torch.default_generator.set_state(new_state)
-        ),
+        (cuda, "set_rng_state"): _set_rng_state,
         (dist, "init_process_group"): _gloo_for_nccl(dist.init_process_group),
         (dist, "new_group"): _gloo_for_nccl(dist.new_group),
     }
