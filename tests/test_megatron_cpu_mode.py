@@ -66,19 +66,20 @@ def test_answered_names_are_the_replaced_ones_and_disable_restores_them():
             return getattr(eval(owner), attr)
 
         names = list(cpu_mode.ANSWERED)
+        stand_ins = sorted(f"{module.__name__}.{attr}" for module, attr in cpu_mode._stand_ins())
         before = {n: lookup(n) for n in names}
         cpu_mode.enable()
         replaced = sorted(n for n in names if lookup(n) is not before[n])
         cpu_mode.disable()
         restored = all(lookup(n) is before[n] for n in names)
-        print(json.dumps({"replaced": replaced, "restored": restored,
+        print(json.dumps({"replaced": replaced, "restored": restored, "stand_ins": stand_ins,
                           "stack": len(torch.overrides._get_current_function_mode_stack())}))
         """
     )
     # torch.cuda.* and torch.distributed.* are replaced attributes; the torch.Tensor /
     # torch.nn.Module names are answered by the torch-function mode (checked by behaviour below).
     attributes = sorted(n for n in cpu_mode.ANSWERED if n.startswith(("torch.cuda.", "torch.dist")))
-    assert report["replaced"] == attributes
+    assert report["replaced"] == attributes == report["stand_ins"]
     assert report["restored"] and report["stack"] == 0
 
 
