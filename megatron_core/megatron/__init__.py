@@ -185,7 +185,8 @@ def install(cuda_on_cpu: bool | None = None) -> None:
         sys.meta_path.insert(0, _FINDER)
     if want is not None:
         cpu_mode.configure(want)
-    _children.arm(SWITCH_ENV, cuda_on_cpu=cpu_mode.is_active())  # NOTE [ Switch in every process ]
+    # NOTE [ Switch in every process ] in _children.py
+    _children.arm(SWITCH_ENV, install, cuda_on_cpu=cpu_mode.is_active())
 
 
 def uninstall() -> None:

@@ -29,38 +29,34 @@ __all__ = ["arm", "disarm"]
 
 _PREPARATION_KEY = "megatron_core_switch"  # ignored by multiprocessing's own prepare()
 _ORIGINAL = multiprocessing.spawn.get_preparation_data
-_STATE = {"armed": False, "set_env": None, "cuda_on_cpu": None}
-
-
-def _install_in_child(cuda_on_cpu: bool | None = None) -> str:
-    """Runs in the child while it unpickles the preparation data (rules 1 and 6)."""
-    from megatron_core import megatron
-
-    megatron.install(cuda_on_cpu=cuda_on_cpu)
-    return "installed"
+_STATE = {"armed": False, "set_env": None, "install": None, "cuda_on_cpu": None}
 
 
 class _InstallInChild:
-    """Unpickles as a call of :func:`_install_in_child`."""
+    """Unpickles as a call of the switch's ``install(cuda_on_cpu)`` (rules 1 and 6): pickle
+    names the function by its module and name, so this module never imports the switch."""
 
-    def __init__(self, cuda_on_cpu: bool | None):
+    def __init__(self, install, cuda_on_cpu: bool | None):
+        self.install = install
         self.cuda_on_cpu = cuda_on_cpu
 
     def __reduce__(self):
-        return _install_in_child, (self.cuda_on_cpu,)
+        return self.install, (self.cuda_on_cpu,)
 
 
 def _get_preparation_data(name):
     data = _ORIGINAL(name)
     if _STATE["armed"]:
-        data[_PREPARATION_KEY] = _InstallInChild(_STATE["cuda_on_cpu"])
+        data[_PREPARATION_KEY] = _InstallInChild(_STATE["install"], _STATE["cuda_on_cpu"])
     return data
 
 
-def arm(env_name: str, cuda_on_cpu: bool | None = None) -> None:
-    """Rules 1, 4 and 6: children started from now on install the switch."""
+def arm(env_name: str, install, cuda_on_cpu: bool | None = None) -> None:
+    """Rules 1, 4 and 6: children started from now on call ``install(cuda_on_cpu)`` (the
+    switch's own, a top-level function) before anything else."""
     multiprocessing.spawn.get_preparation_data = _get_preparation_data
     _STATE["armed"] = True
+    _STATE["install"] = install
     _STATE["cuda_on_cpu"] = cuda_on_cpu
     if os.environ.get(env_name) is None:
         os.environ[env_name] = "1"
