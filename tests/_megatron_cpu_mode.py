@@ -77,3 +77,22 @@ def initial_state(run: Run) -> dict[str, torch.Tensor]:
     one = dataclasses.replace(run, tp=1)
     _start(one)
     return {n: p.detach().clone() for n, p in build_model(one).named_parameters()}
+
+
+def checkpoint_round_trip(run: Run, full: dict[str, torch.Tensor], directory: str) -> dict:
+    """megatron-core's ``dist_checkpointing.save`` (its torch_dist writer calls
+    ``torch.cuda.synchronize()`` and makes a tensor on ``torch.cuda.current_device()``) and
+    ``load`` into a model of another seed; returns the unsharded loaded parameters and whether
+    the fresh model differed before loading."""
+    _start(run)
+    from megatron.core import dist_checkpointing, tensor_parallel
+
+    model = build_model(run)
+    load_full(model, full)
+    dist_checkpointing.save(model.sharded_state_dict(), directory)
+    tensor_parallel.model_parallel_cuda_manual_seed(run.seed + 1)
+    fresh = build_model(run)
+    differed = any(not torch.equal(p, q) for p, q in zip(fresh.parameters(), model.parameters()))
+    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), directory))
+    params = {n: full_tensor(p, p) for n, p in fresh.named_parameters()}
+    return {"differed": differed, "params": params}

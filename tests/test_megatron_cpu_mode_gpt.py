@@ -3,8 +3,10 @@
 No test here patches anything: megatron-core 0.16.1's ``GPTModel`` builds its default causal
 mask with ``device="cuda"`` (transformer/utils.py ``get_default_causal_mask``), its
 ``DistributedDataParallel`` allocates its grad buffers on ``torch.cuda.current_device()`` and its
-``get_megatron_optimizer`` makes ``FP32Optimizer``'s scale with ``device='cuda'``. With the CPU
-mode on (the default without CUDA) they run as they are. The bodies live in
+``get_megatron_optimizer`` makes ``FP32Optimizer``'s scale with ``device='cuda'``, and
+``dist_checkpointing.save``'s writer calls ``torch.cuda.synchronize()`` and makes a tensor on
+``torch.cuda.current_device()``. With the CPU mode on (the default without CUDA) they run as they
+are. The bodies live in
 tests/_megatron_cpu_mode.py.
 """
 
@@ -21,7 +23,12 @@ if megatron_core_version() is None:  # checked without importing megatron in the
 if torch.cuda.is_available():
     pytest.skip("auto mode keeps the CPU mode off where CUDA is there", allow_module_level=True)
 
-from _megatron_cpu_mode import gpt_loss, initial_state, megatron_adam_step  # noqa: E402
+from _megatron_cpu_mode import (  # noqa: E402
+    checkpoint_round_trip,
+    gpt_loss,
+    initial_state,
+    megatron_adam_step,
+)
 from _megatron_gpt import Run  # noqa: E402
 
 TIMEOUT = 240
@@ -68,3 +75,12 @@ def test_get_megatron_optimizer_adam_step_tensor_parallel_2_matches_1(start):
         # move its weight by up to lr * noise / eps, so the weights are compared to lr / 100.
         for name, param in reference["params"].items():
             torch.testing.assert_close(rank["params"][name], param, rtol=0, atol=LR / 100, msg=name)
+
+
+def test_dist_checkpointing_save_at_tensor_parallel_2_loads_bitwise(start, tmp_path):
+    per_rank = run_distributed(checkpoint_round_trip, 2, TWO, start, str(tmp_path), timeout=TIMEOUT)
+    for rank in per_rank:
+        assert rank["differed"]  # the fresh model had other weights before the load
+        assert rank["params"].keys() == start.keys()
+        for name, param in start.items():
+            assert torch.equal(rank["params"][name], param), name
