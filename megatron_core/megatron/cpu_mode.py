@@ -337,7 +337,7 @@ def enable() -> None:
             "(devices naming cuda mean the CPU, nccl groups are gloo); turn it off with "
             f"install(cuda_on_cpu=False) or {ENV}=0",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of install() (install -> configure -> enable)
         )
 
 
