@@ -22,6 +22,7 @@ __all__ = [
     "torch_at_least",
     "require_torch",
     "checkpoint_early_stop_override",
+    "redispatch_torch_function",
 ]
 
 FLOOR = (2, 6)  # setup.py's torch>=2.6
@@ -73,7 +74,6 @@ def require_torch(feature: str, major: int, minor: int) -> None:
         )
 
 
-
 def checkpoint_early_stop_override() -> bool | None:
     """What ``torch.utils.checkpoint.set_checkpoint_early_stop`` asks for right now, or None
     when it is not in effect.
@@ -85,3 +85,18 @@ def checkpoint_early_stop_override() -> bool | None:
     if value is None or _EARLY_STOP_DEFAULT is None:
         return value
     return None if value == _EARLY_STOP_DEFAULT else bool(value)
+
+
+def redispatch_torch_function(mode, func, types, args, kwargs):
+    """Run ``func`` from ``mode``'s ``__torch_function__`` with ``mode`` active inside it.
+
+    torch takes a mode off the stack while its handler runs; ``torch.overrides.
+    redispatch_function`` (newer torch) runs ``func``'s body once without dispatching back to the
+    handler, so ``with mode:`` around it makes the inner calls see the mode. Where torch lacks it
+    the body runs as torch runs it by default: without the mode.
+    """
+    redispatch = getattr(torch.overrides, "redispatch_function", None)
+    if redispatch is None:
+        return func(*args, **kwargs)
+    with mode:
+        return redispatch(func, types, args, kwargs)

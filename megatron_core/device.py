@@ -2,7 +2,8 @@
 
 Everything else in megatron_core asks this module for the device type, the default
 torch.distributed backend, the current device and the device's random generator. No other module
-calls ``torch.cuda`` or names the NCCL backend.
+calls ``torch.cuda`` or names the NCCL backend, except the switch's CPU mode
+(``megatron/cpu_mode.py``), which stands in for ``torch.cuda`` names under megatron-core's code.
 
 How the device type is chosen, first match wins:
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
 
 import torch
 
@@ -60,7 +60,6 @@ __all__ = [
     "reset_peak_memory_stats",
     "nvtx_range_push",
     "nvtx_range_pop",
-    "ignore_cuda_set_device",
 ]
 
 _SUPPORTED = ("cpu", "cuda")
@@ -218,19 +217,6 @@ def nvtx_range_pop() -> None:
     """Close the innermost NVTX range opened by :func:`nvtx_range_push`; a no-op on cpu."""
     if device_type() == "cuda":
         torch.cuda.nvtx.range_pop()
-
-
-def ignore_cuda_set_device() -> Callable[[], None]:
-    """Make ``torch.cuda.set_device`` a no-op (for CUDA-only set-up code run on CPU ranks, e.g.
-    a megatron-core test suite under the switch's pytest plugin); returns the function that
-    restores it."""
-    original = torch.cuda.set_device
-    torch.cuda.set_device = lambda device: None
-
-    def restore() -> None:
-        torch.cuda.set_device = original
-
-    return restore
 
 
 _OVERLAP_WARNED: set[str] = set()

@@ -17,6 +17,10 @@ megatron_core.megatron.pytest_plugin``) or ``python -m megatron_core.megatron sc
 megatron-core is an optional extra (``pip install "megatron-tp-core[megatron]"``); the switch
 accepts the releases it was tested with (:data:`SUPPORTED_VERSIONS`) and refuses others unless
 ``MEGATRON_CORE_SWITCH_ANY_VERSION=1``.
+
+On a torch without CUDA the switch also turns on its CPU mode (``cpu_mode.py``, NOTE [ CUDA on
+the CPU ]): megatron-core's CUDA calls run on the CPU. ``install(cuda_on_cpu=False)`` or
+``MEGATRON_CORE_CUDA_ON_CPU=0`` keeps it off.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import sys
 import warnings
 
 from megatron_core.errors import MegatronCoreError
-from megatron_core.megatron import _children
+from megatron_core.megatron import _children, cpu_mode
 from megatron_core.megatron._finder import MegatronSwitchFinder
 
 __all__ = [
@@ -35,6 +39,7 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "SWITCH_ENV",
     "ANY_VERSION_ENV",
+    "CUDA_ON_CPU_ENV",
     "install",
     "uninstall",
     "is_installed",
@@ -45,6 +50,7 @@ __all__ = [
 
 SWITCH_ENV = "MEGATRON_CORE_SWITCH"
 ANY_VERSION_ENV = "MEGATRON_CORE_SWITCH_ANY_VERSION"
+CUDA_ON_CPU_ENV = cpu_mode.ENV
 
 # Releases the switch was tested with, end to end: 0.16.1 (Python 3.10/3.11) and 0.19.2 (3.12;
 # 0.17+ requires it); README "Support matrix".
@@ -145,37 +151,50 @@ def is_installed() -> bool:
     return _FINDER is not None and _FINDER in sys.meta_path
 
 
-def install() -> None:
+def install(cuda_on_cpu: bool | None = None) -> None:
     """Serve the :data:`SERVED` megatron names from this package (idempotent).
 
     It holds in this process and in the processes it starts (NOTE [ Switch in every process ] in
     ``_children.py``: spawn/forkserver children install it before they unpickle anything, and
     ``MEGATRON_CORE_SWITCH=1`` is set for programs that ask the environment).
 
+    Args:
+        cuda_on_cpu: the CPU mode (NOTE [ CUDA on the CPU ] in ``cpu_mode.py``): True / False
+            turn it on / off; None reads ``MEGATRON_CORE_CUDA_ON_CPU`` and, where that is unset,
+            turns it on exactly when torch has no CUDA device. A later call with True / False
+            changes it; with None it keeps what the first call decided. spawn/forkserver
+            children get the same answer.
+
     Raises:
         MegatronCoreError: megatron-core is missing or untested (:func:`check_version`), or a
             claimed megatron module was already imported from megatron-core (``install`` must run
-            before ``megatron`` is imported; the message names the modules).
+            before ``megatron`` is imported; the message names the modules), or
+            ``MEGATRON_CORE_CUDA_ON_CPU`` has a value that is not a yes or a no.
     """
     global _FINDER
-    if is_installed():
-        return
-    check_version()
-    foreign = _foreign_imports()
-    if foreign:
-        raise MegatronCoreError(
-            f"megatron switch: install() must run before megatron is imported; already imported "
-            f"from megatron-core: {', '.join(foreign)}"
-        )
-    _FINDER = MegatronSwitchFinder(SERVED)
-    sys.meta_path.insert(0, _FINDER)
-    _children.arm(install, SWITCH_ENV)  # NOTE [ Switch in every process ] in _children.py
+    first = not is_installed()
+    want = cpu_mode.wanted(cuda_on_cpu) if first or cuda_on_cpu is not None else None
+    if first:
+        check_version()
+        foreign = _foreign_imports()
+        if foreign:
+            raise MegatronCoreError(
+                f"megatron switch: install() must run before megatron is imported; already "
+                f"imported from megatron-core: {', '.join(foreign)}"
+            )
+        _FINDER = MegatronSwitchFinder(SERVED)
+        sys.meta_path.insert(0, _FINDER)
+    if want is not None:
+        cpu_mode.configure(want)
+    # NOTE [ Switch in every process ] in _children.py
+    _children.arm(SWITCH_ENV, install, cuda_on_cpu=cpu_mode.is_active())
 
 
 def uninstall() -> None:
-    """Remove the import hook and the hand-over to child processes. Modules already imported keep
-    the objects they were given."""
+    """Remove the import hook, the CPU mode and the hand-over to child processes. Modules already
+    imported keep the objects they were given."""
     global _FINDER
+    cpu_mode.disable()
     if _FINDER is not None and _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
     _FINDER = None

@@ -16,6 +16,8 @@
    script.py``, or the pytest plugin. ``install()`` also sets ``MEGATRON_CORE_SWITCH=1`` in the
    environment, which those two honour, so a program that ran ``install()`` passes the request on.
 5. ``uninstall()`` undoes 1 and 4 (4 only if ``install()`` set the variable).
+6. A spawn/forkserver child turns the CPU mode (``cpu_mode.py``) on or off as the parent had it
+   when it started the child; a program of its own decides by itself (rule 4).
 """
 
 from __future__ import annotations
@@ -27,32 +29,35 @@ __all__ = ["arm", "disarm"]
 
 _PREPARATION_KEY = "megatron_core_switch"  # ignored by multiprocessing's own prepare()
 _ORIGINAL = multiprocessing.spawn.get_preparation_data
-_STATE = {"install": None, "set_env": None}
+_STATE = {"armed": False, "set_env": None, "install": None, "cuda_on_cpu": None}
 
 
 class _InstallInChild:
-    """Unpickles as a call of the switch's ``install`` (rule 1): pickled by reference, so the
-    child imports the switch and installs it right there."""
+    """Unpickles as a call of the switch's ``install(cuda_on_cpu)`` (rules 1 and 6): pickle
+    names the function by its module and name, so this module never imports the switch."""
 
-    def __init__(self, install):
+    def __init__(self, install, cuda_on_cpu: bool | None):
         self.install = install
+        self.cuda_on_cpu = cuda_on_cpu
 
     def __reduce__(self):
-        return self.install, ()
+        return self.install, (self.cuda_on_cpu,)
 
 
 def _get_preparation_data(name):
     data = _ORIGINAL(name)
-    if _STATE["install"] is not None:
-        data[_PREPARATION_KEY] = _InstallInChild(_STATE["install"])
+    if _STATE["armed"]:
+        data[_PREPARATION_KEY] = _InstallInChild(_STATE["install"], _STATE["cuda_on_cpu"])
     return data
 
 
-def arm(install, env_name: str) -> None:
-    """Rules 1 and 4: children started from now on call ``install()`` (a top-level function,
-    pickled by reference) first, and see ``env_name=1``."""
+def arm(env_name: str, install, cuda_on_cpu: bool | None = None) -> None:
+    """Rules 1, 4 and 6: children started from now on call ``install(cuda_on_cpu)`` (the
+    switch's own, a top-level function) before anything else."""
     multiprocessing.spawn.get_preparation_data = _get_preparation_data
+    _STATE["armed"] = True
     _STATE["install"] = install
+    _STATE["cuda_on_cpu"] = cuda_on_cpu
     if os.environ.get(env_name) is None:
         os.environ[env_name] = "1"
         _STATE["set_env"] = env_name
@@ -60,7 +65,7 @@ def arm(install, env_name: str) -> None:
 
 def disarm() -> None:
     """Rule 5."""
-    _STATE["install"] = None
+    _STATE["armed"] = False
     if multiprocessing.spawn.get_preparation_data is _get_preparation_data:
         multiprocessing.spawn.get_preparation_data = _ORIGINAL
     env_name = _STATE["set_env"]

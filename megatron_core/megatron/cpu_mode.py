@@ -1,0 +1,364 @@
+"""The switch's CPU mode: megatron-core's CUDA-only code runs on the CPU without a user patch.
+
+This is the one module of the package that replaces ``torch.cuda`` names and turns the "nccl"
+backend into gloo (DESIGN.md's device rule names it as the exception). :func:`configure` is called
+by ``megatron_core.megatron.install``; every name it answers is in :data:`ANSWERED`.
+
+# NOTE [ CUDA on the CPU ]
+1. When. ``install(cuda_on_cpu=...)`` decides: True / False turn the mode on / off; None (the
+   default) reads ``MEGATRON_CORE_CUDA_ON_CPU`` (1/true/yes/on or 0/false/no/off) and, if that is
+   unset, turns the mode on exactly when torch has no usable CUDA device
+   (``torch.cuda.is_available()`` is False). With a GPU, auto mode does nothing.
+2. Devices. A ``torch.overrides.TorchFunctionMode`` on this thread's torch-function mode stack
+   rewrites every device argument that names CUDA (``"cuda"``, ``"cuda:N"``, a CUDA
+   ``torch.device``, an integer index such as ``torch.cuda.current_device()``'s 0) to the CPU: the
+   ``device=`` keyword of any torch function (factories, ``Tensor.new_*``, ``Tensor.to``) and the
+   first positional argument of ``Tensor.to``. ``Tensor.cuda()`` returns the tensor itself, so
+   ``Module.cuda()`` moves nothing, and ``Tensor.type()`` names a CPU tensor's type as CUDA's
+   (``torch.cuda.FloatTensor``: megatron-core's optimizers assert it). Arguments that do not
+   name CUDA pass untouched, so this package's own code (which never names CUDA) runs as
+   without the mode.
+3. Re-entry. torch takes a mode off the stack while its handler runs, so code that autograd's
+   entry points run (hooks, a custom ``Function.backward``, reentrant checkpointing) would run
+   without it. For ``Tensor.backward``, ``torch.autograd.backward`` and ``torch.autograd.grad``
+   the handler puts the mode back and redispatches (``torch.overrides.redispatch_function``,
+   ``compat.redispatch_torch_function``); where torch lacks that, those run without the mode.
+4. Threads. torch's mode stack belongs to a thread: the mode is pushed in the thread that turns
+   the CPU mode on (autograd's engine carries it into backward). Another thread that makes
+   tensors on "cuda" is not covered; every replaced ``torch.cuda`` name is (rule 5).
+5. Names. The ``torch.cuda`` names in :data:`ANSWERED` are replaced by CPU stand-ins: the current
+   device is 0, ``set_device`` / ``synchronize`` do nothing, streams and events are CPU objects
+   that are always complete, and CUDA's random generator is the CPU's. ``is_available()`` and
+   ``device_count()`` keep torch's answer (False, 0): megatron-core asks them to choose
+   CUDA-only work (memory statistics, Transformer Engine, Triton kernels), so its code takes the
+   path that runs on a CPU, and its unit tests that skip without CUDA still skip.
+6. Groups. ``init_process_group`` and ``new_group`` asked for NCCL (``"nccl"`` or a map such as
+   ``"cuda:nccl,cpu:gloo"``) make a gloo group; the NCCL ``pg_options`` and a CUDA ``device_id``
+   that came with the request are dropped.
+7. Off. :func:`disable` puts every replaced name back and takes the mode off the stack, wherever
+   it is; turning the mode on twice pushes it once. The mode warns once per process when it is
+   first turned on (a ``UserWarning`` naming how to turn it off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from megatron_core import compat, device
+from megatron_core.errors import MegatronCoreError
+
+__all__ = [
+    "ENV",
+    "ANSWERED",
+    "CpuStream",
+    "CpuEvent",
+    "wanted",
+    "configure",
+    "enable",
+    "disable",
+    "is_active",
+]
+
+ENV = "MEGATRON_CORE_CUDA_ON_CPU"
+
+# Every CUDA name the CPU mode answers -> what it answers (README "CPU mode" lists the same names;
+# tests/test_megatron_cpu_mode.py checks that the list, the README and the replaced names agree).
+# torch.cuda.* and torch.distributed.* names are replaced attributes (NOTE rules 5 and 6); the
+# torch.Tensor / torch.nn.Module names are answered through the torch-function mode (rule 2).
+ANSWERED: dict[str, str] = {
+    "torch.cuda.current_device": "0 (an index the mode reads as the CPU)",
+    "torch.cuda.set_device": "does nothing",
+    "torch.cuda.synchronize": "does nothing",
+    "torch.cuda.current_stream": "the current CpuStream",
+    "torch.cuda.default_stream": "the default CpuStream",
+    "torch.cuda.Stream": "CpuStream (a torch.cpu.Stream; complete at once)",
+    "torch.cuda.stream": "context that makes a CpuStream current",
+    "torch.cuda.Event": "CpuEvent (complete at once; elapsed_time from the wall clock)",
+    "torch.cuda.manual_seed": "seeds the CPU generator",
+    "torch.cuda.manual_seed_all": "seeds the CPU generator",
+    "torch.cuda.get_rng_state": "the CPU generator's state",
+    "torch.cuda.set_rng_state": "sets the CPU generator's state",
+    "torch.distributed.init_process_group": "gloo where NCCL is asked for",
+    "torch.distributed.new_group": "gloo where NCCL is asked for",
+    "torch.Tensor.to": "a device naming CUDA is the CPU",
+    "torch.Tensor.cuda": "the tensor itself",
+    "torch.Tensor.type": "a CPU tensor's type named as on CUDA (torch.cuda.FloatTensor)",
+    "torch.nn.Module.cuda": "moves nothing (through torch.Tensor.cuda)",
+}
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_CPU = torch.device("cpu")
+_STATE: dict = {"mode": None, "originals": {}, "warned": False}
+
+
+def _names_cuda(where) -> bool:
+    """Whether a device argument means a CUDA device (NOTE rule 2)."""
+    if isinstance(where, str):
+        return where == "cuda" or where.startswith("cuda:")
+    if isinstance(where, torch.device):
+        return where.type == "cuda"
+    return isinstance(where, int) and not isinstance(where, bool)
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    """NOTE [ CUDA on the CPU ] rules 2 and 3: device arguments naming CUDA mean the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs and _names_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is _TENSOR_CUDA:
+            return args[0]
+        if func is _TENSOR_TO and len(args) > 1 and _names_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        if func is _TENSOR_TYPE:
+            return _tensor_type(*args, **(kwargs or {}))
+        if func in _AUTOGRAD_ENTRIES:
+            return compat.redispatch_torch_function(self, func, types, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+_TENSOR_CUDA = torch.Tensor.cuda
+_TENSOR_TO = torch.Tensor.to
+_TENSOR_TYPE = torch.Tensor.type
+
+
+def _tensor_type(tensor, dtype=None, non_blocking=False, **kwargs):
+    """NOTE rule 2: ``Tensor.type()`` names a CPU tensor's type as on CUDA
+    (``torch.cuda.FloatTensor``), and a conversion to a CUDA type name converts to the CPU one."""
+    if dtype is None and not kwargs:
+        name = _TENSOR_TYPE(tensor)
+        if tensor.device.type == "cpu" and name.startswith("torch.") and ".cuda." not in name:
+            return "torch.cuda." + name[len("torch.") :]
+        return name
+    if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+        dtype = "torch." + dtype[len("torch.cuda.") :]
+    return _TENSOR_TYPE(tensor, dtype, non_blocking, **kwargs)
+_AUTOGRAD_ENTRIES = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
+
+
+class CpuStream(getattr(torch.cpu, "Stream", object)):
+    """What ``torch.cuda.Stream`` is in CPU mode: the CPU runs work in order, so a stream is
+    always complete and waiting on it or on an event returns at once.
+
+    Args:
+        device: ignored (the CPU).
+        priority: kept as :attr:`priority`; it changes nothing.
+    """
+
+    def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
+        self.priority = priority
+        self.device = _CPU
+
+    def wait_stream(self, stream) -> None:
+        """Nothing to wait for."""
+
+    def wait_event(self, event) -> None:
+        """Nothing to wait for."""
+
+    def record_event(self, event=None):
+        """Record ``event`` (a new :class:`CpuEvent` when None) and return it."""
+        event = CpuEvent() if event is None else event
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        """Always True: the work is done."""
+        return True
+
+
+class CpuEvent:
+    """What ``torch.cuda.Event`` is in CPU mode. ``torch.Event`` cannot record on the CPU ("cpu
+    backend doesn't support events"), so this records the wall clock; it is complete at once.
+
+    Args:
+        enable_timing: kept; :meth:`elapsed_time` works either way.
+        blocking, interprocess: ignored.
+    """
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, **kwargs) -> None:
+        self.enable_timing = enable_timing
+        self._at: float | None = None
+
+    def record(self, stream=None) -> None:
+        """Note the time."""
+        self._at = time.perf_counter()
+
+    def wait(self, stream=None) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        """Always True."""
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def elapsed_time(self, end_event: CpuEvent) -> float:
+        """Milliseconds from this event's record to ``end_event``'s.
+
+        Raises:
+            MegatronCoreError: one of the two events was never recorded.
+        """
+        if self._at is None or end_event._at is None:
+            raise MegatronCoreError(
+                f"CpuEvent.elapsed_time: both events must be recorded first (start recorded: "
+                f"{self._at is not None}, end recorded: {end_event._at is not None})"
+            )
+        return (end_event._at - self._at) * 1000.0
+
+
+_DEFAULT_STREAM = CpuStream()
+_STREAMS: list[CpuStream] = [_DEFAULT_STREAM]
+
+
+@contextlib.contextmanager
+def _stream(stream):
+    """``torch.cuda.stream(s)``: ``s`` is the current stream inside (None changes nothing)."""
+    _STREAMS.append(_STREAMS[-1] if stream is None else stream)
+    try:
+        yield stream
+    finally:
+        _STREAMS.pop()
+
+
+def _seed(seed: int) -> None:
+    # Not torch.manual_seed: that seeds CUDA's generators too, i.e. calls this again.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
+    torch.default_generator.set_state(new_state)
+
+
+def _gloo_for_nccl(original):
+    """``original`` (init_process_group / new_group) with NOTE rule 6 applied."""
+    signature = inspect.signature(original)
+
+    def make_group(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        if device.backend_uses_cuda(arguments.get("backend")):
+            arguments["backend"] = "gloo"
+            if "pg_options" in arguments:
+                arguments["pg_options"] = None
+        if _names_cuda(arguments.get("device_id")):
+            arguments["device_id"] = None
+        return original(*bound.args, **bound.kwargs)
+
+    make_group.__name__ = original.__name__
+    make_group.__doc__ = f"CPU mode's {original.__name__}: gloo where NCCL is asked for."
+    return make_group
+
+
+def _stand_ins() -> dict[tuple[object, str], object]:
+    """(module, attribute) -> the CPU stand-in, for every replaced name of :data:`ANSWERED`."""
+    cuda = torch.cuda
+    return {
+        (cuda, "current_device"): lambda: 0,
+        (cuda, "set_device"): lambda device=None: None,
+        (cuda, "synchronize"): lambda device=None: None,
+        (cuda, "current_stream"): lambda device=None: _STREAMS[-1],
+        (cuda, "default_stream"): lambda device=None: _DEFAULT_STREAM,
+        (cuda, "Stream"): CpuStream,
+        (cuda, "stream"): _stream,
+        (cuda, "Event"): CpuEvent,
+        (cuda, "manual_seed"): _seed,
+        (cuda, "manual_seed_all"): _seed,
+        (cuda, "get_rng_state"): lambda device="cuda": torch.default_generator.get_state(),
+        (cuda, "set_rng_state"): _set_rng_state,
+        (dist, "init_process_group"): _gloo_for_nccl(dist.init_process_group),
+        (dist, "new_group"): _gloo_for_nccl(dist.new_group),
+    }
+
+
+def is_active() -> bool:
+    """Whether the CPU mode is on in this process."""
+    return _STATE["mode"] is not None
+
+
+def wanted(cuda_on_cpu: bool | None = None) -> bool:
+    """Whether the CPU mode should be on (NOTE [ CUDA on the CPU ], rule 1).
+
+    Raises:
+        MegatronCoreError: ``MEGATRON_CORE_CUDA_ON_CPU`` is set to something else than
+            1/true/yes/on or 0/false/no/off (the message names the value).
+    """
+    if cuda_on_cpu is not None:
+        return bool(cuda_on_cpu)
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    if value:
+        raise MegatronCoreError(
+            f"{ENV}={os.environ[ENV]!r} is not one of {_TRUE + _FALSE} (or unset: on exactly "
+            f"when torch has no CUDA device)"
+        )
+    return not torch.cuda.is_available()
+
+
+def configure(cuda_on_cpu: bool | None = None) -> bool:
+    """Turn the CPU mode on or off as :func:`wanted` says; returns whether it is on."""
+    if wanted(cuda_on_cpu):
+        enable()
+    else:
+        disable()
+    return is_active()
+
+
+def enable() -> None:
+    """Turn the CPU mode on (idempotent): replace the names, push the mode, warn once."""
+    if is_active():
+        return
+    originals = _STATE["originals"]
+    for (module, name), stand_in in _stand_ins().items():
+        originals[(module, name)] = getattr(module, name)
+        setattr(module, name, stand_in)
+    mode = _CudaOnCpu()
+    mode.__enter__()
+    _STATE["mode"] = mode
+    if not _STATE["warned"]:
+        _STATE["warned"] = True
+        warnings.warn(
+            "megatron switch: CPU mode is on: megatron-core's CUDA calls run on the CPU "
+            "(devices naming cuda mean the CPU, nccl groups are gloo); turn it off with "
+            f"install(cuda_on_cpu=False) or {ENV}=0",
+            UserWarning,
+            stacklevel=4,  # the caller of install() (install -> configure -> enable)
+        )
+
+
+def disable() -> None:
+    """Undo :func:`enable` (NOTE rule 7); nothing happens when the mode is off."""
+    originals = _STATE["originals"]
+    while originals:
+        (module, name), original = originals.popitem()
+        setattr(module, name, original)
+    mode, _STATE["mode"] = _STATE["mode"], None
+    if mode is not None:
+        _remove_from_stack(mode)
+
+
+def _remove_from_stack(mode) -> None:
+    """Take ``mode`` off this thread's torch-function mode stack, the modes above it kept."""
+    above = []
+    while torch._C._len_torch_function_stack() > 0:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)

@@ -1,0 +1,386 @@
+"""The switch's CPU mode (megatron_core/megatron/cpu_mode.py), one stand-in at a time.
+
+The mode changes process-wide state (torch.cuda's names, torch.distributed's group makers, the
+torch-function mode stack), and the pytest process is shared, so every test runs its code in a
+fresh Python process and reads back what it printed (JSON on the last line). No test patches
+torch or megatron-core to make the mode work; where a test fakes something (a GPU), it says so.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+import torch
+
+from megatron_core.megatron import cpu_mode, megatron_core_version
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_megatron = pytest.mark.skipif(
+    megatron_core_version() is None, reason="megatron-core is not installed (the [megatron] extra)"
+)
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU-only torch")
+
+
+def run_python(code: str, **env: str):
+    """Run ``code`` as a script in a fresh interpreter (this checkout first on the path, the CPU
+    mode's variable unset unless given) and return the JSON it printed last."""
+    unset = (cpu_mode.ENV, "MEGATRON_CORE_SWITCH")
+    environ = {k: v for k, v in os.environ.items() if k not in unset}
+    environ["PYTHONPATH"] = os.pathsep.join([ROOT, environ.get("PYTHONPATH", "")])
+    environ.update(env)
+    with tempfile.TemporaryDirectory() as directory:
+        script = os.path.join(directory, "cpu_mode_check.py")
+        with open(script, "w") as file:
+            file.write(textwrap.dedent(code))
+        result = subprocess.run(
+            [sys.executable, script],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=environ,
+            cwd=ROOT,
+        )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_readme_lists_exactly_the_answered_names():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme.split("The CPU mode answers:")[1].split("\n\n")[1]
+    listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("- `")}
+    assert listed == set(cpu_mode.ANSWERED)
+
+
+def test_answered_names_are_the_replaced_ones_and_disable_restores_them():
+    report = run_python(
+        """
+        import json, torch, torch.distributed
+        from megatron_core.megatron import cpu_mode
+
+        def lookup(name):
+            owner, _, attr = name.rpartition(".")
+            return getattr(eval(owner), attr)
+
+        names = list(cpu_mode.ANSWERED)
+        stand_ins = sorted(f"{module.__name__}.{attr}" for module, attr in cpu_mode._stand_ins())
+        before = {n: lookup(n) for n in names}
+        cpu_mode.enable()
+        replaced = sorted(n for n in names if lookup(n) is not before[n])
+        cpu_mode.disable()
+        restored = all(lookup(n) is before[n] for n in names)
+        print(json.dumps({"replaced": replaced, "restored": restored, "stand_ins": stand_ins,
+                          "stack": len(torch.overrides._get_current_function_mode_stack())}))
+        """
+    )
+    # torch.cuda.* and torch.distributed.* are replaced attributes; the torch.Tensor /
+    # torch.nn.Module names are answered by the torch-function mode (checked by behaviour below).
+    attributes = sorted(n for n in cpu_mode.ANSWERED if n.startswith(("torch.cuda.", "torch.dist")))
+    assert report["replaced"] == attributes == report["stand_ins"]
+    assert report["restored"] and report["stack"] == 0
+
+
+@needs_no_cuda
+def test_device_arguments_naming_cuda_mean_the_cpu():
+    report = run_python(
+        """
+        import json, torch
+        from megatron_core.megatron import cpu_mode
+
+        cpu_mode.enable()
+        index = torch.cuda.current_device()
+        made = [
+            torch.zeros(2, device="cuda"),
+            torch.empty(2, device="cuda:0"),
+            torch.ones(2, device=torch.device("cuda")),
+            torch.tensor([1.0], device=index),
+            torch.arange(3, device="cuda"),
+            torch.ones(2).new_zeros(3, device="cuda"),
+            torch.ones(2).to("cuda"),
+            torch.ones(2).to(index),
+            torch.ones(2).to(torch.device("cuda", 0), torch.float64),
+            torch.ones(2).to(device="cuda", non_blocking=True),
+            torch.zeros_like(torch.ones(2), device="cuda"),
+        ]
+        tensor = torch.ones(2)
+        module = torch.nn.Linear(2, 2)
+        weight = module.weight
+        module.cuda()
+        module.to("cuda")
+        print(json.dumps({
+            "index": index,
+            "devices": sorted({str(t.device) for t in made}),
+            "double": str(made[8].dtype),
+            "cuda_is_self": tensor.cuda() is tensor,
+            "module_kept": module.weight is weight and str(weight.device) == "cpu",
+            "types": [
+                tensor.type(), tensor.half().type(), tensor.type("torch.cuda.HalfTensor").type()
+            ],
+            "cpu_device_kept": str(torch.zeros(1, device="cpu").device),
+        }))
+        """
+    )
+    assert report["index"] == 0
+    assert report["devices"] == ["cpu"] and report["double"] == "torch.float64"
+    assert report["cuda_is_self"] and report["module_kept"]
+    # type() names CPU tensors as CUDA's; a conversion to a CUDA type name converts on the CPU.
+    assert report["types"] == [
+        "torch.cuda.FloatTensor",
+        "torch.cuda.HalfTensor",
+        "torch.cuda.HalfTensor",
+    ]
+    assert report["cpu_device_kept"] == "cpu"
+
+
+@needs_no_cuda
+@pytest.mark.skipif(
+    not hasattr(torch.overrides, "redispatch_function"),
+    reason="torch without redispatch_function runs autograd's hooks without the mode (NOTE rule 3)",
+)
+def test_mode_is_active_inside_backward_hooks_custom_functions_and_checkpoints():
+    report = run_python(
+        """
+        import json, torch
+        from torch.utils.checkpoint import checkpoint
+        from megatron_core.megatron import cpu_mode
+
+        class Twice(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad * torch.full((1,), 2.0, device="cuda")
+
+        cpu_mode.enable()
+        x = torch.ones(2, requires_grad=True)
+        x.register_hook(lambda g: g + torch.zeros(2, device=torch.cuda.current_device()))
+        Twice.apply(x).sum().backward()
+        (grad,) = torch.autograd.grad(Twice.apply(x).sum(), x)
+        done = []
+        for reentrant in (True, False):
+            y = checkpoint(lambda t: Twice.apply(t) * torch.ones(2, device="cuda"), x,
+                           use_reentrant=reentrant)
+            torch.autograd.backward([y.sum()])
+            done.append(reentrant)
+        print(json.dumps({"grad": x.grad.tolist(), "autograd_grad": grad.tolist(), "done": done,
+                          "stack": len(torch.overrides._get_current_function_mode_stack())}))
+        """
+    )
+    # d(2x)/dx = 2 (through the custom backward; the hook adds zeros): 2 from autograd.grad, and
+    # 2 + 2 + 2 accumulated by one backward and two checkpointed backwards.
+    assert report["autograd_grad"] == [2.0, 2.0] and report["done"] == [True, False]
+    assert report["grad"] == [6.0, 6.0]
+    assert report["stack"] == 1  # the mode, once
+
+
+@needs_no_cuda
+def test_streams_events_and_rng_stand_ins():
+    report = run_python(
+        """
+        import json, torch
+        from megatron_core.megatron import cpu_mode
+
+        cpu_mode.enable()
+        stream = torch.cuda.Stream(priority=-1)
+        default = torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            inside = torch.cuda.current_stream() is stream
+            with torch.cuda.stream(None):
+                none_kept = torch.cuda.current_stream() is stream
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        default.wait_stream(stream)
+        stream.wait_event(start)
+        event = stream.record_event()
+        torch.cuda.synchronize()
+        end.record(stream)
+        torch.cuda.manual_seed(7)
+        a = torch.rand(3)
+        torch.manual_seed(7)
+        seeded = torch.equal(a, torch.rand(3))
+        torch.cuda.manual_seed_all(8)
+        state = torch.cuda.get_rng_state()
+        b = torch.rand(3)
+        torch.cuda.set_rng_state(state)
+        print(json.dumps({
+            "inside": inside, "none_kept": none_kept,
+            "back": torch.cuda.current_stream() is default,
+            "default": torch.cuda.default_stream() is default,
+            "cpu_stream": isinstance(stream, getattr(torch.cpu, "Stream", object)),
+            "done": [stream.query(), event.query(), end.query()],
+            "elapsed": start.elapsed_time(end) >= 0,
+            "seeded": seeded, "replayed": torch.equal(b, torch.rand(3)),
+            "set_device": torch.cuda.set_device(1) is None,
+        }))
+        """
+    )
+    assert all(report.values()), report
+    assert report["done"] == [True, True, True]
+
+
+@needs_no_cuda
+def test_nccl_groups_are_made_with_gloo(tmp_path):
+    report = run_python(
+        f"""
+        import json, torch, torch.distributed as dist
+        from megatron_core.megatron import cpu_mode
+
+        cpu_mode.enable()
+        dist.init_process_group("nccl", init_method="file://{tmp_path}/rendezvous", rank=0,
+                                world_size=1, device_id=torch.device("cuda", 0))
+        world = dist.get_backend()
+        plain = dist.get_backend(dist.new_group([0], backend="nccl"))
+        with_options = dist.get_backend(dist.new_group([0], None, "nccl", object()))
+        mixed = dist.get_backend(dist.new_group([0], backend="cuda:nccl,cpu:gloo"))
+        tensor = torch.ones(2, device="cuda")
+        dist.all_reduce(tensor)
+        dist.destroy_process_group()
+        print(json.dumps([world, plain, with_options, mixed, tensor.tolist()]))
+        """
+    )
+    assert report == ["gloo", "gloo", "gloo", "gloo", [1.0, 1.0]]
+
+
+def test_auto_mode_the_variable_and_the_warning():
+    code = """
+        import json, warnings, torch
+        from megatron_core.megatron import cpu_mode
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            on = cpu_mode.configure(None)
+            cpu_mode.disable()
+            again = cpu_mode.configure(None)
+        warned = [str(w.message) for w in caught if w.category is UserWarning]
+        print(json.dumps({"on": on, "again": again, "warnings": warned}))
+        """
+    auto = run_python(code)
+    no_cuda = not torch.cuda.is_available()
+    assert auto["on"] is no_cuda and auto["again"] is no_cuda
+    if no_cuda:
+        assert len(auto["warnings"]) == 1  # once per process
+        assert "cuda_on_cpu=False" in auto["warnings"][0] and cpu_mode.ENV in auto["warnings"][0]
+    assert run_python(code, **{cpu_mode.ENV: "0"}) == {"on": False, "again": False, "warnings": []}
+    forced = run_python(code, **{cpu_mode.ENV: "yes"})
+    assert forced["on"] and forced["again"] and len(forced["warnings"]) == 1
+
+
+def test_a_bad_variable_value_is_named():
+    report = run_python(
+        """
+        import json
+        from megatron_core.megatron import cpu_mode
+        try:
+            cpu_mode.configure(None)
+            print(json.dumps("no error"))
+        except Exception as error:
+            print(json.dumps([type(error).__name__, str(error), cpu_mode.is_active()]))
+        """,
+        **{cpu_mode.ENV: "maybe"},
+    )
+    assert report[0] == "MegatronCoreError" and "'maybe'" in report[1] and report[2] is False
+
+
+def test_auto_mode_does_nothing_where_cuda_is_available():
+    # Fakes a GPU machine (torch.cuda.is_available answering True) in the child process only.
+    report = run_python(
+        """
+        import json, torch
+        torch.cuda.is_available = lambda: True
+        from megatron_core.megatron import cpu_mode
+        before = torch.cuda.current_device
+        print(json.dumps([cpu_mode.configure(None), torch.cuda.current_device is before,
+                          len(torch.overrides._get_current_function_mode_stack())]))
+        """
+    )
+    assert report == [False, True, 0]
+
+
+def test_enable_pushes_once_and_disable_keeps_other_modes():
+    report = run_python(
+        """
+        import json, torch
+        from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+        from megatron_core.megatron import cpu_mode
+
+        class Counting(TorchFunctionMode):
+            calls = 0
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                Counting.calls += 1
+                return func(*args, **(kwargs or {}))
+
+        cpu_mode.enable()
+        cpu_mode.enable()
+        once = len(_get_current_function_mode_stack())
+        user = Counting()
+        user.__enter__()
+        cpu_mode.disable()
+        stack = _get_current_function_mode_stack()
+        torch.ones(1) + 1
+        user.__exit__(None, None, None)
+        cpu_mode.disable()
+        print(json.dumps([once, len(stack), stack[0] is user, Counting.calls > 0,
+                          len(_get_current_function_mode_stack())]))
+        """
+    )
+    assert report == [1, 1, True, True, 0]
+
+
+@needs_megatron
+@needs_no_cuda
+def test_install_turns_it_on_by_default_and_keeps_an_explicit_choice():
+    report = run_python(
+        """
+        import json, warnings
+        warnings.simplefilter("ignore")
+        from megatron_core import megatron
+        from megatron_core.megatron import cpu_mode
+
+        seen = []
+        megatron.install()
+        seen.append(cpu_mode.is_active())
+        megatron.install(cuda_on_cpu=False)
+        seen.append(cpu_mode.is_active())
+        megatron.install()  # None keeps the earlier choice
+        seen.append(cpu_mode.is_active())
+        megatron.install(cuda_on_cpu=True)
+        seen.append(cpu_mode.is_active())
+        megatron.uninstall()
+        seen.append(cpu_mode.is_active())
+        print(json.dumps(seen))
+        """
+    )
+    assert report == [True, False, False, True, False]
+
+
+@needs_megatron
+@needs_no_cuda
+@pytest.mark.parametrize("choice", [None, False])
+def test_spawn_children_get_the_parents_choice(choice):
+    report = run_python(
+        f"""
+        import json, multiprocessing, warnings
+        warnings.simplefilter("ignore")
+        from megatron_core import megatron
+        from megatron_core.megatron import cpu_mode
+
+        def child(queue):
+            queue.put(cpu_mode.is_active())
+
+        if __name__ == "__main__":
+            megatron.install(cuda_on_cpu={choice})
+            context = multiprocessing.get_context("spawn")
+            queue = context.Queue()
+            process = context.Process(target=child, args=(queue,))
+            process.start()
+            in_child = queue.get(timeout=120)
+            process.join()
+            print(json.dumps([cpu_mode.is_active(), in_child]))
+        """
+    )
+    assert report == [choice is None, choice is None]
