@@ -68,6 +68,7 @@ class Distribute(str, enum.Enum):
 
     FIRST = "first"  # args[0] only, as megatron-core does
     ALL = "all"  # every floating-point tensor input with at least tp elements
+    EVERY = "every"  # every floating-point tensor input, any size (padded; DeepSpeed's face)
 
 
 @dataclass(frozen=True)
@@ -236,10 +237,11 @@ def _split_indices(leaves: Sequence[Any], options: CheckpointOptions) -> set[int
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
     else:
         tp_size = dist.get_world_size(options.tp_group)
+    least = 0 if options.distribute is Distribute.EVERY else tp_size
     return {
         i
         for i, x in enumerate(leaves)
-        if torch.is_tensor(x) and x.is_floating_point() and x.numel() >= tp_size
+        if torch.is_tensor(x) and x.is_floating_point() and x.numel() >= least
     }
 
 
