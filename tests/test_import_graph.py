@@ -29,6 +29,7 @@ LEVELS = {
     "consistency": 2,
     "utils": 2,
     "tensor_parallel": 3,
+    "deepspeed_checkpointing": 3,
     "pipeline_parallel": 4,
     "distributed": 4,
     "transformer": 5,
