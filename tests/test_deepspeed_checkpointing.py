@@ -323,3 +323,80 @@ def test_profile_lines_and_reentrant_autograd_grad(restore_globals, capsys):
     assert lines[1].startswith("time (ms) | backward: ")
     with pytest.raises(MegatronCoreError, match="autograd.grad"):
         torch.autograd.grad(ds.checkpoint(_double, x, torch.ones(4)).sum(), x)
+
+
+# --- against DeepSpeed's own checkpoint (only where deepspeed is installed) -----------------------
+
+
+def _deepspeed_module():
+    try:
+        from deepspeed.runtime.activation_checkpointing import checkpointing
+    except Exception:  # not installed, or it fails to import on this torch
+        return None
+    return checkpointing
+
+
+class _PlainLayer(nn.Module):
+    """Column- then row-parallel linear, dropout on the default generator (DeepSpeed replays
+    only its own tracker, so no tracker fork here)."""
+
+    def __init__(self, full):
+        super().__init__()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        start = parallel_state.get_tensor_model_parallel_rank() * (FFN // tp)
+        w1, _, w2, _ = full
+        self.w1 = nn.Parameter(w1[start : start + FFN // tp].clone())
+        self.w2 = nn.Parameter(w2[:, start : start + FFN // tp].clone())
+
+    def forward(self, x, scale):
+        h = F.gelu(F.linear(copy_to_tensor_model_parallel_region(x), self.w1))
+        return F.dropout(reduce_from_tensor_model_parallel_region(F.linear(h, self.w2)) * scale, P)
+
+
+def _body_against_deepspeed() -> list[str]:
+    import deepspeed
+
+    theirs = _deepspeed_module()
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the harness's process group
+    full, _, _, _ = _setup()
+    layers = nn.ModuleList([_PlainLayer(w) for w in full])
+    x0 = torch.randn(4, 2, HIDDEN)  # numel divisible by tp = 1, 2 (DeepSpeed asserts it)
+    problems = []
+    # Not {"checkpoint_in_cpu": True} alone: on a CPU device DeepSpeed 0.19.8's copy of the
+    # arguments (.to("cpu")) is the argument itself, which it then empties (arg.data =
+    # torch.empty([])), so its recompute gets 0-d inputs; partitioned, the copy is a clone.
+    for kwargs in ({}, {"partition_activations": True},
+                   {"partition_activations": True, "checkpoint_in_cpu": True}):  # fmt: skip
+        if kwargs.get("partition_activations") and dist.get_world_size() == 1:
+            # DeepSpeed 0.19.8 at mp_size 1 leaves a partitioned argument's .data flat (1-D)
+            # after backward, so accumulating its leaf's gradient fails: nothing to compare.
+            continue
+        results = []
+        for module in (ds, theirs):
+            module.configure(parallel_state, **kwargs)
+            torch.manual_seed(7)
+            layers.zero_grad(set_to_none=True)
+            x = x0.clone().requires_grad_()
+            # One scale per layer: DeepSpeed empties an argument's .data until its backward, so
+            # a tensor passed to two of its checkpoints breaks there (ours leaves it alone).
+            scales = [torch.tensor([1.5], requires_grad=True) for _ in layers]
+            h = x
+            for layer, scale in zip(layers, scales):
+                h = module.checkpoint(layer, h, scale)
+            h.pow(2).sum().backward()
+            grads = [x.grad] + [s.grad for s in scales] + [p.grad for p in layers.parameters()]
+            results.append([h.detach()] + grads)
+        if not all(torch.equal(a, b) for a, b in zip(*results)):
+            problems.append(f"{kwargs}: ours and DeepSpeed's differ")
+    ds.configure(parallel_state)
+    return problems
+
+
+@pytest.mark.skipif(
+    _deepspeed_module() is None,
+    reason="deepspeed is not installed (a benchmark/test-only dependency: see BENCHMARKS.md)",
+)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_bitwise_equal_to_deepspeed_itself(world_size):
+    for rank, problems in enumerate(run_distributed(_body_against_deepspeed, world_size)):
+        assert problems == [], f"rank {rank}: {problems}"
