@@ -28,7 +28,8 @@ autocast replay, checksums), nonreentrant.py, without_output.py.
    chunk zero-padded) and all-gathered to its shape before the recompute, so every rank of the TP
    group must backpropagate through the checkpoint. ``distribute="first"`` (megatron) splits
    ``args[0]``, which must be a tensor; ``"all"`` splits every floating-point tensor input of at
-   least tp elements. Needs the TP group: parallel_state initialized, or ``tp_group=``. A
+   least tp elements; ``"every"`` (deepspeed_checkpointing's) every one, however small.
+   Needs the TP group: parallel_state initialized, or ``tp_group=``. A
    distributed input must be equal on every rank of the TP group (replicated, as the hidden states
    between transformer layers are): the gather assembles it from every rank's chunk. Forward
    agrees its shape, dtype and a checksum across the TP group (check mode, and the default
@@ -218,7 +219,8 @@ def checkpoint(
             (rule 5), which also accepts ``**kwargs`` and tensors inside lists, tuples and dicts,
             ``torch.autograd.grad`` outside and inside the function, and the three options below.
         distribute: with distribute_saved_activations, which inputs to split: "first"
-            (megatron-core: args[0]) or "all" (every floating-point tensor of >= tp elements).
+            (megatron-core: args[0]), "all" (every floating-point tensor of >= tp elements) or
+            "every" (every floating-point tensor, padded when smaller than tp).
         offload_to_cpu: keep the saved inputs (or their chunks) on the CPU (rule 4).
         check_determinism: verify that the recompute reproduces the forward's values (rule 6).
         tp_group: group to distribute over; default parallel_state's tensor-parallel group.
