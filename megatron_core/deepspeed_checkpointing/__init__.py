@@ -4,8 +4,9 @@ Porting: ``import deepspeed.checkpointing as ckpt`` becomes
 ``from megatron_core import deepspeed_checkpointing as ckpt``; ``ckpt.configure(mpu, ...)``,
 ``ckpt.checkpoint(fn, *args, **kwargs)`` and the RNG helpers keep DeepSpeed's names, arguments
 and defaults. The machinery is tensor_parallel/recompute/ (RNG replay, 1-D chunks, backward
-through the recomputed outputs); this file adds DeepSpeed's settings, its contiguous buffers and
-its profile lines.
+through the recomputed outputs). Files: this one (the settings, ``checkpoint``), config.py (the
+DeepSpeed config section and the checks), saved_arguments.py (partitions, CPU copies, contiguous
+buffers).
 
 # NOTE [ DeepSpeed checkpointing ]
 1. Settings. ``configure`` writes the module globals ``PARTITION_ACTIVATIONS``,
@@ -36,17 +37,23 @@ its profile lines.
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_core import device, parallel_state
+from megatron_core.deepspeed_checkpointing.config import (
+    CONFIG_KEYS,
+    check_mpu,
+    check_settings,
+    read_config,
+)
+from megatron_core.deepspeed_checkpointing.saved_arguments import BUFFERS as _BUFFERS
+from megatron_core.deepspeed_checkpointing.saved_arguments import SavedArguments
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.random import (
     CudaRNGStatesTracker,
@@ -62,10 +69,6 @@ from megatron_core.tensor_parallel.recompute.saved_inputs import (
     ForwardState,
     backward_through,
     checkpointing_region,
-)
-from megatron_core.tensor_parallel.utils import (
-    gather_split_1d_tensor,
-    split_tensor_into_1d_equal_chunks,
 )
 
 __all__ = [
@@ -91,83 +94,6 @@ CONTIGUOUS_CHECKPOINTING = False
 CPU_CHECKPOINT = False
 SYNCHRONIZE = False
 PROFILE_TIME = False
-
-# The "activation_checkpointing" section of a DeepSpeed config: key -> (argument, default).
-CONFIG_SECTION = "activation_checkpointing"
-CONFIG_KEYS = {
-    "partition_activations": ("partition_activations", False),
-    "contiguous_memory_optimization": ("contiguous_checkpointing", False),
-    "cpu_checkpointing": ("checkpoint_in_cpu", False),
-    "number_checkpoints": ("num_checkpoints", None),
-    "synchronize_checkpoint_boundary": ("synchronize", False),
-    "profile": ("profile", False),
-}
-
-
-# --- configuration -----------------------------------------------------------------------------
-
-
-def _read_config(deepspeed_config: Any) -> dict[str, Any]:
-    """The configure() arguments a DeepSpeed config (dict or JSON path) sets, with defaults."""
-    if isinstance(deepspeed_config, (str, os.PathLike)):
-        try:
-            with open(deepspeed_config) as f:
-                deepspeed_config = json.load(f)
-        except (OSError, ValueError) as e:
-            raise MegatronCoreError(
-                f"configure: cannot read the DeepSpeed config {str(deepspeed_config)!r}: {e}"
-            ) from None
-    if not isinstance(deepspeed_config, Mapping):
-        raise MegatronCoreError(
-            f"configure: deepspeed_config ({type(deepspeed_config).__name__}) must be a dict or "
-            "the path of a JSON file"
-        )
-    section = deepspeed_config.get(CONFIG_SECTION, {})
-    if not isinstance(section, Mapping):
-        raise MegatronCoreError(
-            f"configure: deepspeed_config[{CONFIG_SECTION!r}] ({section!r}) must be a dict"
-        )
-    unknown = sorted(set(section) - set(CONFIG_KEYS))
-    if unknown:
-        raise MegatronCoreError(
-            f"configure: unknown key(s) {unknown} in deepspeed_config[{CONFIG_SECTION!r}]; "
-            f"DeepSpeed's keys are {sorted(CONFIG_KEYS)}"
-        )
-    return {arg: section.get(key, default) for key, (arg, default) in CONFIG_KEYS.items()}
-
-
-def _check_settings(settings: dict[str, Any]) -> None:
-    """Raise MegatronCoreError naming the first bad value of configure()'s settings."""
-    for name, value in settings.items():
-        if name == "num_checkpoints":
-            ok = value is None or (type(value) is int and value > 0)
-            if not ok:
-                raise MegatronCoreError(
-                    f"configure: num_checkpoints ({value!r}) must be a positive int or None"
-                )
-        elif not isinstance(value, bool):
-            raise MegatronCoreError(f"configure: {name} ({value!r}) must be a bool")
-    if settings["contiguous_checkpointing"] and not settings["partition_activations"]:
-        raise MegatronCoreError(
-            "configure: contiguous_checkpointing=True needs partition_activations=True (the "
-            "buffers hold partitions), as in DeepSpeed"
-        )
-    if settings["contiguous_checkpointing"] and settings["num_checkpoints"] is None:
-        raise MegatronCoreError(
-            "configure: contiguous_checkpointing=True needs num_checkpoints (the number of "
-            "buffers per argument), got None"
-        )
-
-
-def _check_mpu(mpu_: Any) -> None:
-    for prefix in ("get_tensor_model_parallel_", "get_model_parallel_"):
-        if all(hasattr(mpu_, prefix + s) for s in ("rank", "world_size", "group")):
-            return
-    raise MegatronCoreError(
-        f"configure: mpu_ ({type(mpu_).__name__}) has neither get_tensor_model_parallel_rank/"
-        "world_size/group nor get_model_parallel_rank/world_size/group (megatron_core."
-        "parallel_state has both)"
-    )
 
 
 def configure(
@@ -206,7 +132,7 @@ def configure(
     global CONTIGUOUS_CHECKPOINTING, CPU_CHECKPOINT, SYNCHRONIZE, PROFILE_TIME
     settings = {arg: default for arg, default in CONFIG_KEYS.values()}
     if deepspeed_config is not None:
-        settings.update(_read_config(deepspeed_config))
+        settings.update(read_config(deepspeed_config))
     explicit = {
         "partition_activations": partition_activations,
         "contiguous_checkpointing": contiguous_checkpointing,
@@ -216,9 +142,9 @@ def configure(
         "profile": profile,
     }
     settings.update({k: v for k, v in explicit.items() if v is not None})
-    _check_settings(settings)
+    check_settings(settings)
     if mpu_ is not None:
-        _check_mpu(mpu_)
+        check_mpu(mpu_)
         mpu = mpu_
     PARTITION_ACTIVATIONS = settings["partition_activations"]
     CONTIGUOUS_CHECKPOINTING = settings["contiguous_checkpointing"]
@@ -285,136 +211,6 @@ def model_parallel_reconfigure_tp_seed(seed: int) -> None:
         device.manual_seed(seed + 2718 + tp_rank)
 
 
-# --- contiguous buffers (rule 4) ---------------------------------------------------------------
-
-
-class _Buffers:
-    """num_layers preallocated chunk buffers per (argument position, numel, dtype, device)."""
-
-    def __init__(self):
-        self.generation = 0
-        self.slots: dict[tuple, list[torch.Tensor]] = {}
-        self.free_slots: dict[tuple, list[int]] = {}
-
-    def free(self) -> None:
-        self.generation += 1
-        self.slots, self.free_slots = {}, {}
-
-    def take(self, key: tuple, count: int | None) -> tuple[torch.Tensor, Callable[[], None]]:
-        """A free buffer for ``key`` and the function that gives it back."""
-        if count is None:
-            raise MegatronCoreError(
-                "checkpoint: CONTIGUOUS_CHECKPOINTING is on but num_layers is None: pass "
-                "num_checkpoints to configure() or call set_num_layers()"
-            )
-        if key not in self.slots:
-            _, numel, dtype, where = key
-            self.slots[key] = [torch.empty(numel, dtype=dtype, device=where) for _ in range(count)]
-            self.free_slots[key] = list(range(count - 1, -1, -1))
-        if not self.free_slots[key]:
-            raise MegatronCoreError(
-                f"checkpoint: more than num_checkpoints ({len(self.slots[key])}) checkpoints "
-                "are waiting for backward with contiguous_checkpointing; raise num_checkpoints, "
-                "or call reset() after forward passes that have no backward"
-            )
-        index = self.free_slots[key].pop()
-        given = [False]
-        generation = self.generation
-
-        def give_back() -> None:  # idempotent: backward and the finalizer both call it
-            if not given[0] and self.generation == generation:
-                self.free_slots[key].append(index)
-            given[0] = True
-
-        return self.slots[key][index], give_back
-
-
-_BUFFERS = _Buffers()
-
-
-# --- saved arguments (rules 2-4) -----------------------------------------------------------------
-
-
-def _to_partition(x: torch.Tensor) -> bool:
-    """Is ``x`` an activation DeepSpeed partitions/offloads (floating, not opted out)?"""
-    return x.is_floating_point() and getattr(x, "no_checkpointing", False) is not True
-
-
-class _Saved:
-    """The arguments of one checkpoint as kept until its backward (rules 2-4)."""
-
-    def __init__(self, args: Sequence[Any], settings: dict[str, Any]):
-        self.leaves = [None if torch.is_tensor(x) else x for x in args]
-        self.slots: list[tuple[int, torch.Size, tuple, torch.device, bool, bool]] = []
-        self.tensors: list[torch.Tensor] = []
-        self.give_back: list[Callable[[], None]] = []
-        self.tp = _tp() if settings["partition"] else (1, 0, None)
-        floating = 0
-        for index, x in enumerate(args):
-            if not torch.is_tensor(x):
-                continue
-            chosen = _to_partition(x)
-            split = chosen and settings["partition"]
-            if split:
-                kept = self._partition(x.detach(), floating, settings)
-                floating += 1
-            elif chosen and settings["cpu"]:
-                kept = x.detach().to("cpu", copy=True)
-            else:
-                kept = x
-            self.tensors.append(kept)
-            self.slots.append((index, x.shape, x.stride(), x.device, x.requires_grad, split))
-        # A graph dropped without backward gives its buffers back too.
-        weakref.finalize(self, _give_back_all, list(self.give_back))
-
-    def _partition(self, x: torch.Tensor, position: int, settings: dict[str, Any]):
-        size, _, group = self.tp
-        if size == 1:
-            chunk = x.reshape(-1).clone()
-        else:
-            chunk = split_tensor_into_1d_equal_chunks(x, new_buffer=True, tp_group=group)
-        where = torch.device("cpu") if settings["cpu"] else chunk.device
-        if settings["contiguous"]:
-            key = (position, chunk.numel(), chunk.dtype, where)
-            buffer, give_back = _BUFFERS.take(key, settings["num_layers"])
-            self.give_back.append(give_back)
-            return buffer.copy_(chunk)
-        return chunk.to(where)
-
-    def rebuild(self, kept: Sequence[torch.Tensor]) -> list[Any]:
-        """The arguments again (gathered, on their devices), detached, with their requires_grad."""
-        leaves = list(self.leaves)
-        size, _, group = self.tp
-        for (index, shape, stride, where, requires_grad, split), t in zip(self.slots, kept):
-            t = t.to(where)
-            if split:
-                if size > 1:
-                    t = gather_split_1d_tensor(t, numel=shape.numel(), tp_group=group)
-                t = _with_strides(t.view(shape), stride)
-            leaves[index] = t.detach().requires_grad_(requires_grad)
-        return leaves
-
-    def release(self) -> None:
-        _give_back_all(self.give_back)
-
-
-def _with_strides(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    """``t`` laid out with the argument's strides: a kernel may round differently for another
-    layout (a bf16 matmul does), and the recompute must repeat the forward bitwise (rule 6).
-    Expanded (stride 0) layouts stay contiguous."""
-    if t.stride() == stride or 0 in stride:
-        return t
-    try:
-        return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
-    except RuntimeError:  # an overlapping layout: the values are what matters
-        return t
-
-
-def _give_back_all(give_backs: Sequence[Callable[[], None]]) -> None:
-    for give_back in give_backs:
-        give_back()
-
-
 def _settings() -> dict[str, Any]:
     """The module globals a checkpoint reads when its forward starts (rule 1)."""
     return {
@@ -467,7 +263,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.state = ForwardState.capture()
         with torch.no_grad(), checkpointing_region():
             outputs = run_function(*args)
-        ctx.saved = _Saved(args, settings)
+        ctx.saved = SavedArguments(args, settings, _tp() if settings["partition"] else (1, 0, None))
         ctx.save_for_backward(*ctx.saved.tensors)
         ctx.saved.tensors = []
         timer.stop()
