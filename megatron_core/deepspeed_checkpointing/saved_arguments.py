@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.recompute.saved_inputs import with_strides
 from megatron_core.tensor_parallel.utils import (
     gather_split_1d_tensor,
     split_tensor_into_1d_equal_chunks,
@@ -130,24 +131,12 @@ class SavedArguments:
             if split:
                 if size > 1:
                     t = gather_split_1d_tensor(t, numel=shape.numel(), tp_group=group)
-                t = _with_strides(t.view(shape), stride)
+                t = with_strides(t.view(shape), stride)
             leaves[index] = t.detach().requires_grad_(requires_grad)
         return leaves
 
     def release(self) -> None:
         _give_back_all(self.give_back)
-
-
-def _with_strides(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    """``t`` laid out with the argument's strides: a kernel may round differently for another
-    layout (a bf16 matmul does), and the recompute must repeat the forward bitwise (rule 6).
-    Expanded (stride 0) layouts stay contiguous."""
-    if t.stride() == stride or 0 in stride:
-        return t
-    try:
-        return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
-    except RuntimeError:  # an overlapping layout: the values are what matters
-        return t
 
 
 def _give_back_all(give_backs: Sequence[Callable[[], None]]) -> None:

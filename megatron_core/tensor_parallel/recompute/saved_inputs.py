@@ -102,6 +102,7 @@ class _Slot:
     split: bool  # kept as this rank's 1-D chunk (rule 3)
     version: int | None  # _version when kept as given (non-reentrant checks it; rule 1)
     fingerprint: Fingerprint | None  # of a split input, with check_determinism (rule 6)
+    stride: tuple[int, ...] = ()  # the input's layout, restored after the gather (rule 3)
 
 
 _CAPTURES: list[list[SavedInputs]] = []
@@ -151,7 +152,9 @@ class SavedInputs:
         check = split and self.options.check_determinism
         fingerprint = Fingerprint.of(x, name, values=True) if check else None
         self.slots.append(
-            _Slot(index, x.shape, x.device, x.requires_grad, split, version, fingerprint)
+            _Slot(
+                index, x.shape, x.device, x.requires_grad, split, version, fingerprint, x.stride()
+            )
         )
 
     def _agree_distributed(self, x: torch.Tensor) -> None:
@@ -188,7 +191,7 @@ class SavedInputs:
                 kept = kept.to(slot.device)
             if slot.split:
                 kept = gather_split_1d_tensor(kept, numel=slot.shape.numel(), group=self.group)
-                kept = kept.view(slot.shape)
+                kept = with_strides(kept.view(slot.shape), slot.stride)
                 _check_gathered(slot, kept, self.group)
             leaves[slot.index] = kept.detach().requires_grad_(slot.requires_grad)
         return leaves
@@ -201,6 +204,24 @@ class SavedInputs:
                 storage = t.untyped_storage()
                 storages[(storage.device, storage.data_ptr())] = storage.nbytes()
         return sum(storages.values())
+
+
+def with_strides(t: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    """``t`` (contiguous) copied into the layout ``stride`` of the input it was gathered for.
+
+    A kernel may take another path for another layout (F.linear reshapes a non-contiguous input
+    and saves the copy; a bf16 matmul rounds differently), and the recompute must repeat the
+    forward exactly (rules 2, 5). Expanded layouts (a zero stride) and overlapping ones stay
+    contiguous: only their values matter.
+    """
+    stride = tuple(stride)
+    if not stride or t.stride() == stride or 0 in stride:
+        return t
+    try:
+        out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+        return out.copy_(t)
+    except RuntimeError:  # an overlapping layout
+        return t
 
 
 def _check_gathered(slot: _Slot, gathered: torch.Tensor, group: dist.ProcessGroup | None) -> None:
