@@ -148,11 +148,12 @@ def _body_equivalence() -> list[str]:
     want = _step(None, layers, inputs, mask, snapshot)
     for mode, kwargs in MODES.items():
         ds.configure(parallel_state, **kwargs)
-        for ckpt, as_kwargs in ((ds.checkpoint, False), (ds.checkpoint, True)):
+        runs = ((ds.checkpoint, False), (ds.checkpoint, True), (ds.non_reentrant_checkpoint, False))
+        for ckpt, as_kwargs in runs:
             for step in range(2):  # contiguous: the second step reuses the buffers
                 got = _step(ckpt, layers, inputs, mask, snapshot, as_kwargs=as_kwargs)
                 problems += [
-                    f"{mode} (kwargs={as_kwargs}, step {step}): {k} differs"
+                    f"{mode} ({ckpt.__name__}, kwargs={as_kwargs}, step {step}): {k} differs"
                     for k in want
                     if not torch.equal(want[k], got[k])
                 ]
@@ -189,9 +190,23 @@ def _saved_bytes(x, y) -> int:
     return total
 
 
+class _OlderMpu:
+    """DeepSpeed's older mpu names only (get_model_parallel_*), served by parallel_state."""
+
+    def get_model_parallel_rank(self):
+        return parallel_state.get_tensor_model_parallel_rank()
+
+    def get_model_parallel_world_size(self):
+        return parallel_state.get_tensor_model_parallel_world_size()
+
+    def get_model_parallel_group(self):
+        return parallel_state.get_tensor_model_parallel_group()
+
+
 def _body_memory() -> dict:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
     ds.configure(parallel_state)
+    ds.model_parallel_cuda_manual_seed(SEED)
     tp = dist.get_world_size()
     x = torch.randn(SHAPE, requires_grad=True)
     y = torch.randn(3, 1, 1)  # fewer elements than tp=4: padded
@@ -201,6 +216,8 @@ def _body_memory() -> dict:
     ds.configure(parallel_state)
     ds.PARTITION_ACTIVATIONS = True  # a global set directly is obeyed
     result["partitioned by global"] = _saved_bytes(x, y)
+    ds.configure(_OlderMpu(), partition_activations=True)
+    result["partitioned, older mpu"] = _saved_bytes(x, y)
     chunk = -(-x.numel() // tp) * 4 + -(-y.numel() // tp) * 4
     result["expected"] = (x.numel() * 4 + y.numel() * 4, chunk)
 
@@ -234,7 +251,14 @@ def _body_memory() -> dict:
     want = torch.autograd.grad(_double(x, y).pow(2).sum(), x)[0]
     got = torch.autograd.grad(ds.non_reentrant_checkpoint(_double, x, y).pow(2).sum(), x)[0]
     result["autograd.grad equal"] = torch.equal(want, got)
+
+    # model_parallel_reconfigure_tp_seed: the model-parallel stream restarts at seed + 2718 + rank.
     ds.configure(parallel_state)
+    ds.model_parallel_reconfigure_tp_seed(5)
+    with ds.get_cuda_rng_tracker().fork():
+        got = torch.rand(3)
+    want = torch.rand(3, generator=torch.Generator().manual_seed(5 + 2718 + dist.get_rank()))
+    result["reconfigured stream"] = torch.equal(got, want)
     return result
 
 
@@ -245,6 +269,8 @@ def test_memory_buffers_and_autograd_grad(world_size):
         assert r["whole"] == whole, rank
         assert r["partitioned"] == chunk, rank  # 1/tp of every floating argument, padded
         assert r["partitioned by global"] == chunk, rank
+        assert r["partitioned, older mpu"] == chunk, rank
+        assert r["reconfigured stream"], rank
         assert r["buffers reused"] and r["buffered grads equal"], rank
         assert "more than num_checkpoints (2)" in r["overflow"], r["overflow"]
         assert r["after reset"] and r["autograd.grad equal"], rank
