@@ -17,7 +17,8 @@ fi
 
 find_python() {  # an interpreter of version $1: on PATH, else pyenv's
   local v="$1" cand
-  for cand in "python$v" "$HOME/.pyenv/versions/$v"*/bin/"python$v"; do
+  local root="${PYENV_ROOT:-${HOME:-/root}/.pyenv}"
+  for cand in "python$v" "$root/versions/$v"*/bin/"python$v"; do
     if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'pass' 2>/dev/null; then
       echo "$cand"
       return 0
