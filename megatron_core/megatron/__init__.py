@@ -91,6 +91,11 @@ SERVED: dict[str, str] = {
 _FINDER: MegatronSwitchFinder | None = None
 
 
+def _env_on(name: str) -> bool:
+    """Whether environment variable ``name`` is 1/true/yes/on (any case)."""
+    return os.environ.get(name, "").strip().lower() in cpu_mode.TRUE_VALUES
+
+
 def megatron_core_version() -> str | None:
     """The installed megatron-core release (read from its metadata, without importing it)."""
     try:
@@ -131,7 +136,7 @@ def check_version(version: str | None = None) -> str:
         f"megatron switch: megatron-core {version} is not a tested release "
         f"(tested: {', '.join(SUPPORTED_VERSIONS)})"
     )
-    if os.environ.get(ANY_VERSION_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    if _env_on(ANY_VERSION_ENV):
         warnings.warn(f"{message}; going on because {ANY_VERSION_ENV} is set", stacklevel=3)
         return version
     raise MegatronCoreError(f"{message}; set {ANY_VERSION_ENV}=1 to try it anyway")
@@ -203,7 +208,7 @@ def uninstall() -> None:
 
 def install_from_env() -> bool:
     """:func:`install` if ``MEGATRON_CORE_SWITCH`` is 1/true/yes/on; returns whether it did."""
-    if os.environ.get(SWITCH_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    if _env_on(SWITCH_ENV):
         install()
         return True
     return False

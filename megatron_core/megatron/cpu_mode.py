@@ -94,7 +94,7 @@ ANSWERED: dict[str, str] = {
     "torch.nn.Module.cuda": "moves nothing (through torch.Tensor.cuda)",
 }
 
-_TRUE = ("1", "true", "yes", "on")
+TRUE_VALUES = ("1", "true", "yes", "on")  # of an environment variable, lower-cased
 _FALSE = ("0", "false", "no", "off")
 _CPU = torch.device("cpu")
 _STATE: dict = {"mode": None, "originals": {}, "warned": False}
@@ -298,13 +298,13 @@ def wanted(cuda_on_cpu: bool | None = None) -> bool:
     if cuda_on_cpu is not None:
         return bool(cuda_on_cpu)
     value = os.environ.get(ENV, "").strip().lower()
-    if value in _TRUE:
+    if value in TRUE_VALUES:
         return True
     if value in _FALSE:
         return False
     if value:
         raise MegatronCoreError(
-            f"{ENV}={os.environ[ENV]!r} is not one of {_TRUE + _FALSE} (or unset: on exactly "
+            f"{ENV}={os.environ[ENV]!r} is not one of {TRUE_VALUES + _FALSE} (or unset: on exactly "
             f"when torch has no CUDA device)"
         )
     return not torch.cuda.is_available()

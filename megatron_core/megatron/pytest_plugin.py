@@ -34,12 +34,12 @@ def pytest_addoption(parser) -> None:
 
 
 def _asked(early_config) -> bool:
-    from megatron_core.megatron import SWITCH_ENV
+    from megatron_core.megatron import SWITCH_ENV, _env_on
 
     # Before the conftests load, only the pre-parsed arguments are there.
     if getattr(early_config.known_args_namespace, "megatron_core_switch", False):
         return True
-    return os.environ.get(SWITCH_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return _env_on(SWITCH_ENV)
 
 
 def pytest_load_initial_conftests(early_config, parser, args) -> None:
