@@ -549,6 +549,46 @@ def test_autocast_state_of_the_forward_is_replayed(seeded, use_reentrant, early_
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+class _Scale(torch.overrides.TorchFunctionMode):
+    """Doubles every ``torch.nn.functional.linear`` output while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is F.linear else out
+
+
+@pytest.mark.parametrize("use_reentrant, early_stop", [(True, None), (False, True), (False, False)])
+def test_torch_function_modes_of_the_forward_are_active_in_the_recompute(
+    use_reentrant, early_stop
+):
+    # A mode active in forward (the switch's CPU mode is one) changes what the region computes;
+    # the recompute, run in backward after the mode was left (or where torch ran backward without
+    # it), must compute the same thing: the output's graph and the recomputed one agree only if
+    # the mode is active again. The mode stack is as it was after backward.
+    fc = nn.Linear(HIDDEN, HIDDEN)
+    x0 = torch.randn(SHAPE)
+
+    def step(use_checkpoint):
+        fc.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        with _Scale():
+            fn = lambda t: torch.tanh(F.linear(t, fc.weight, fc.bias))  # noqa: E731
+            kw = {} if use_reentrant else {"early_stop": early_stop}
+            out = (
+                checkpoint(fn, False, x, use_reentrant=use_reentrant, **kw)
+                if use_checkpoint
+                else fn(x)
+            )
+        out.sum().backward()  # backward (and the recompute) outside the mode
+        assert torch.overrides._get_current_function_mode_stack() == []
+        return [out, x.grad, fc.weight.grad, fc.bias.grad]
+
+    want, got = step(False), step(True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    with torch.no_grad():  # the mode did change the computation
+        assert not torch.equal(want[0], torch.tanh(fc(x0)))
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_checkpoint_taken_inside_a_fork_replays_the_same_masks(seeded, use_reentrant):
     # megatron-core's TransformerBlock runs the whole checkpointed stack inside one fork. The

@@ -343,24 +343,35 @@ def _rng_snapshot() -> RNGSnapshot:
 
 @dataclass(frozen=True)
 class ForwardState:
-    """The RNG snapshot and autocast state current when a checkpoint's forward ran (rule 2)."""
+    """The RNG snapshot, autocast state and torch-function modes current when a checkpoint's
+    forward ran (rule 2)."""
 
     rng: RNGSnapshot
     autocast: list[tuple[str, dict[str, Any]]]
+    modes: tuple[Any, ...] = ()
 
     @classmethod
     def capture(cls) -> ForwardState:
-        """Snapshot the CPU, device and tracker RNG states and the autocast state now."""
-        return cls(_rng_snapshot(), _autocast_states())
+        """Snapshot the CPU, device and tracker RNG states, the autocast state and this
+        thread's torch-function mode stack now."""
+        modes = tuple(torch.overrides._get_current_function_mode_stack())
+        return cls(_rng_snapshot(), _autocast_states(), modes)
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
-        """Inside: the forward's RNG and autocast state. After (also on error): the RNG states
-        current before the block. See NOTE [ Checkpoint rules ], rule 2."""
+        """Inside: the forward's RNG and autocast state, and each of its torch-function modes
+        that is not on the stack now (torch runs backward without the mode whose handler
+        dispatched it, where it lacks ``torch.overrides.redispatch_function``). After (also on
+        error): the RNG states current before the block and the mode stack as it was. See
+        NOTE [ Checkpoint rules ], rule 2."""
         restore = _stash_rng()
         set_rng_snapshot(self.rng)
         try:
             with contextlib.ExitStack() as stack:
+                current = torch.overrides._get_current_function_mode_stack()
+                for mode in self.modes:
+                    if not any(mode is other for other in current):
+                        stack.enter_context(mode)
                 for kind, kwargs in self.autocast:
                     stack.enter_context(torch.autocast(device_type=kind, **kwargs))
                 yield
