@@ -98,8 +98,8 @@ class HyperCommGrid:
     ) -> None:
         if len(shape) != len(dim_names):
             raise ConfigError(
-                f"HyperCommGrid: shape {shape} has {len(shape)} dims but dim_names {dim_names} "
-                f"has {len(dim_names)}"
+                f"HyperCommGrid: len(shape) ({len(shape)}) != len(dim_names) ({len(dim_names)}): "
+                f"shape {shape}, dim_names {dim_names}"
             )
         # WORLD_SIZE first, as megatron-core: a grid can be planned without torch.distributed.
         if "WORLD_SIZE" in os.environ:
@@ -117,8 +117,8 @@ class HyperCommGrid:
         self.size = math.prod(shape)
         if self.size > world_size - rank_offset:
             raise MegatronCoreError(
-                f"HyperCommGrid: shape {shape} ({self.size} ranks) does not fit in world size "
-                f"{world_size} from rank offset {rank_offset}"
+                f"HyperCommGrid: Grid shape {shape} ({self.size} ranks) is over sized: it does not "
+                f"fit in world size {world_size} from rank offset {rank_offset}"
             )
         self.shape = list(shape)
         self.dim_names = list(dim_names)
@@ -199,8 +199,9 @@ class HyperCommGrid:
         key, grid, ordered = self._key(dims, view)
         if key in self._pgs:
             raise GridKeyError(
-                f"HyperCommGrid.create_pg({dims!r}): group {key!r} already exists; it is created "
-                f"once (its options cannot be compared with a second request's)"
+                f"HyperCommGrid.create_pg({dims!r}): Process group {key!r} has already been "
+                f"created; each is created once (its options cannot be compared with a second "
+                f"request's)"
             )
         rank_enum = self._enum(grid, ordered)
         pg, _ = dist.new_subgroups_by_enumeration(rank_enum, backend=self.backend, **kwargs)
@@ -218,8 +219,8 @@ class HyperCommGrid:
         key, _, _ = self._key(dims, view)
         if key not in self._pgs:
             raise GridKeyError(
-                f"HyperCommGrid.get_pg({dims!r}): group {key!r} has not been created; call "
-                f"create_pg first (created: {sorted(self._pgs)})"
+                f"HyperCommGrid.get_pg({dims!r}): Process group for {key!r} hasn't been created; "
+                f"call create_pg first (created: {sorted(self._pgs)})"
             )
         return self._pgs[key]
 

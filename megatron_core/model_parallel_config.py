@@ -39,8 +39,8 @@ One deliberate difference: megatron-core raises for ``sequence_parallel=True`` w
 a no-op on one rank), as megatron-core's layers themselves do for a one-rank group.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: dataclass fields keep their real types, as in
+# megatron-core, for tools that read them (megatron's argparse builder, argument_utils.py).
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager

@@ -152,7 +152,7 @@ def _body_hyper_grid_groups(shape, names, rank_offset, dims_list):
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=pg)  # a real group: sums exactly its members
         assert total.item() == sum(mine[0])
-        with pytest.raises(KeyError, match="already exists"):
+        with pytest.raises(KeyError, match="has already been created"):
             grid.create_pg(dims)  # raised before any collective, on every rank
     return sorted(grid._pgs)
 

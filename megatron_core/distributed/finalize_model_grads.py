@@ -33,6 +33,13 @@ own parameters. Before the optimizer step:
    summed over the tensor x context x data-parallel group, are compared with their mean and the
    bias moves by the rate times the sign of (mean - count) — and then the per-step statistics are
    cleared (``reset_model_temporary_tensors``).
+8. megatron-core's private helpers, for code and tests that import them by name (0.16.1's
+   names and signatures, the same in 0.19): ``_allreduce_word_embedding_grads`` (rule 3 over a
+   given embedding group), ``_allreduce_non_tensor_model_parallel_grads`` (rules 1 and 5, the
+   sequence-parallel sum only with ``config.sequence_parallel``; ``_allreduce_layernorm_grads``
+   is its old name) and ``_allreduce_conditional_embedding_grads`` (embedders replicated on
+   every stage, ``config.has_cond_embedder``). ``finalize_model_grads`` itself does not call
+   them (rule 6 keeps its order). megatron FSDP's DTensor gradients are not handled.
 """
 
 from __future__ import annotations
@@ -45,7 +52,11 @@ import torch.distributed as dist
 from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.layer_params import allreduce_sequence_parallel_grads
-from megatron_core.utils import get_attr_wrapped_model
+from megatron_core.utils import (
+    get_attr_wrapped_model,
+    get_pg_size,
+    get_tensor_model_parallel_group_if_none,
+)
 
 __all__ = ["finalize_model_grads", "reset_model_temporary_tensors"]
 
@@ -183,6 +194,140 @@ def _allreduce_data_parallel_grads(chunk, dp_group, pg_collection, average: bool
         elif scale is not None and scale != 1:
             for grad in expert:
                 grad.mul_(scale)
+
+
+# --- megatron-core's private reductions, by name (see NOTE rule 8) ---------------------------
+
+
+def _stage_chunk(model: list[torch.nn.Module], pp_group, config) -> torch.nn.Module:
+    """The chunk holding this rank's word-embedding copy: the first chunk on the first stage,
+    the last on the last stage (or wherever MTP layers put it), else the first."""
+    pp_size = dist.get_world_size(pp_group) if pp_group is not None else 1
+    pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
+    if pp_rank == 0:
+        return model[0]
+    if pp_rank == pp_size - 1 or (getattr(config, "mtp_num_layers", None) or 0) > 0:
+        return model[-1]
+    return model[0]
+
+
+def _allreduce_word_embedding_grads(
+    model: list[torch.nn.Module], config, embd_group=None, pp_group=None
+) -> None:
+    """Sum the tied word embedding's gradient over the embedding group (NOTE rule 3, rule 8).
+
+    Only ranks of ``embd_group`` with more than one rank take part. The copy is read from the
+    chunk :func:`_stage_chunk` names (unwrapped to the module with ``pre_process``) where it
+    shares the output weight or ``config.mtp_num_layers`` is set; a missing weight or gradient
+    (a frozen embedding) is skipped. ``main_grad`` is reduced where the parameter has one.
+
+    Args:
+        model: this rank's model chunks.
+        config: the model's TransformerConfig.
+        embd_group: the embedding group; None reads parallel_state's (and then ``pp_group``
+            must be None too: it is read from parallel_state).
+        pp_group: the pipeline group, to find this rank's stage.
+    """
+    if embd_group is None:
+        embd_group = parallel_state.get_embedding_group(check_initialized=False)
+        if get_pg_size(embd_group) > 1:
+            if pp_group is not None:
+                raise MegatronCoreError(
+                    "_allreduce_word_embedding_grads: pp_group was given without embd_group; "
+                    "pass both or neither (neither: both come from parallel_state)"
+                )
+            pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if get_pg_size(embd_group) <= 1 or dist.get_rank() not in dist.get_process_group_ranks(
+        embd_group
+    ):
+        return
+    chunk = _stage_chunk(model, pp_group, config)
+    chunk = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
+    tied = getattr(chunk, "share_embeddings_and_output_weights", False)
+    if not (tied or getattr(config, "mtp_num_layers", 0)):
+        return
+    weight = chunk.shared_embedding_or_output_weight()
+    grad = None if weight is None else _grad(weight)
+    if grad is not None:
+        _flat_all_reduce([grad], embd_group, None)
+
+
+def _allreduce_non_tensor_model_parallel_grads(
+    model: list[torch.nn.Module], config, tp_group=None
+) -> None:
+    """Reduce the gradients of TP-replicated parameters over the TP group (NOTE rules 1, 5, 8).
+
+    For every trainable parameter with a gradient: averaged when it is marked
+    ``average_gradients_across_tp_domain``; else summed when ``config.sequence_parallel`` and
+    it is marked ``sequence_parallel``, or when ``config.qk_layernorm`` and its name contains
+    ``q_layernorm`` / ``k_layernorm``. Nothing happens on a one-rank group.
+
+    Args:
+        model: this rank's model chunks.
+        config: the model's TransformerConfig (reads ``sequence_parallel``, ``qk_layernorm``).
+        tp_group: the tensor-parallel group; None reads parallel_state's.
+    """
+    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    if get_pg_size(tp_group) <= 1:
+        return
+    sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+    qk_layernorm = bool(getattr(config, "qk_layernorm", False))
+    summed, averaged = [], []
+    for chunk in model:
+        for name, param in get_attr_wrapped_model(chunk, "named_parameters")():
+            if not param.requires_grad or _grad(param) is None:
+                continue
+            if getattr(param, "average_gradients_across_tp_domain", False):
+                averaged.append(_grad(param))
+            elif (sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+                qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+            ):
+                summed.append(_grad(param))
+    if summed:
+        _flat_all_reduce(summed, tp_group, None)
+    if averaged:
+        _flat_all_reduce(averaged, tp_group, 1 / get_pg_size(tp_group))
+
+
+# megatron-core's older name of the helper above (0.16.1 and 0.19 keep it)
+_allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
+
+
+def _allreduce_conditional_embedding_grads(
+    model: list[torch.nn.Module], config, pp_group=None
+) -> None:
+    """Sum the gradients of embedders replicated on every pipeline stage (NOTE rule 8).
+
+    Only with ``config.has_cond_embedder`` and more than one stage. Parameters marked
+    ``pipeline_parallel = True`` (a diffusion model's timestep or label embedder, one copy per
+    chunk) are matched across this rank's chunks by name: their gradients are added up, summed
+    over ``pp_group``, and the total is written to every chunk's copy.
+
+    Args:
+        model: this rank's model chunks (several with virtual pipelining).
+        config: the model's config (reads ``has_cond_embedder``).
+        pp_group: the pipeline group; None reads parallel_state's.
+    """
+    if pp_group is None:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if get_pg_size(pp_group) <= 1 or not getattr(config, "has_cond_embedder", False):
+        return
+    copies: dict[str, list[torch.Tensor]] = {}
+    for chunk in model:
+        for name, param in get_attr_wrapped_model(chunk, "named_parameters")():
+            if param.requires_grad and getattr(param, "pipeline_parallel", False):
+                if _grad(param) is not None:
+                    copies.setdefault(name, []).append(_grad(param))
+    if not copies:
+        return
+    totals = [grads[0] for grads in copies.values()]
+    for grads in copies.values():
+        for other in grads[1:]:
+            grads[0].add_(other)
+    _flat_all_reduce(totals, pp_group, None)
+    for grads in copies.values():
+        for other in grads[1:]:
+            other.copy_(grads[0])
 
 
 def finalize_model_grads(

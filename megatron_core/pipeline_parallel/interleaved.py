@@ -103,8 +103,9 @@ def forward_backward_pipelining_with_interleaving(
     """Interleaved 1F1B (NOTE [ Interleaved 1F1B ]) over ``len(model)`` chunks per stage.
 
     ``model`` and ``data_iterator`` are lists, one entry per chunk (vp_stage 0, 1, ...). Every
-    exchange carries [s, b, h] activations or gradients (``s / tp`` under SP; exchanged shapes
-    with ``config.variable_seq_lengths``).
+    exchange carries [s, b, h] activations or gradients, s = ``seq_length`` (``s / tp`` under SP;
+    exchanged shapes with ``config.variable_seq_lengths``). ``decoder_seq_length`` is accepted
+    and unused, as in megatron-core (its interleaved schedule sizes by ``seq_length`` alone).
 
     Returns:
         on the last stage, ``loss_func``'s dicts (one per microbatch); else [].
@@ -135,8 +136,9 @@ def forward_backward_pipelining_with_interleaving(
     )
     group = option(config, "microbatch_group_size_per_vp_stage") or pp
     check_interleaved_config(p2p.config, num_microbatches, pp, group)
+    # decoder_seq_length unused: megatron-core's interleaved schedule sizes by seq_length alone
     shape = tensor_shape(
-        seq_length, micro_batch_size, decoder_seq_length, config, tp_group.size(), cp_group.size()
+        seq_length, micro_batch_size, None, config, tp_group.size(), cp_group.size()
     )
     deferred = None
     if not forward_only and option(config, "finalize_model_grads_func") is not None:

@@ -49,6 +49,11 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
     """f: identity forward; all-reduce of the gradient over the group backward."""
 
     @staticmethod
+    def symbolic(graph, input_, group):
+        """The forward's result without autograd (NOTE [ megatron-core's private names ])."""
+        return input_
+
+    @staticmethod
     def forward(ctx, input_, group):
         ctx.group = group
         return input_
@@ -62,6 +67,11 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
     """g: all-reduce (sum) forward; identity backward."""
 
     @staticmethod
+    def symbolic(graph, input_, group):
+        """The forward's result without autograd."""
+        return C.all_reduce(input_, group)
+
+    @staticmethod
     def forward(ctx, input_, group):
         return C.all_reduce(input_, group)
 
@@ -72,6 +82,11 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
 
 class _ScatterToTensorParallelRegion(torch.autograd.Function):
     """Keep this rank's slice of the last dimension forward; all-gather it backward."""
+
+    @staticmethod
+    def symbolic(graph, input_, group):
+        """The forward's result without autograd."""
+        return C.split_last_dim(input_, group)
 
     @staticmethod
     def forward(ctx, input_, group):
@@ -87,6 +102,11 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
     """All-gather along the last dimension forward; keep this rank's slice backward."""
 
     @staticmethod
+    def symbolic(graph, input_, group):
+        """The forward's result without autograd."""
+        return C.all_gather_last_dim(input_, group)
+
+    @staticmethod
     def forward(ctx, input_, group):
         ctx.group = group
         return C.all_gather_last_dim(input_, group)
@@ -98,6 +118,11 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
 
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
     """Keep this rank's slice of the first (sequence) dimension forward; all-gather backward."""
+
+    @staticmethod
+    def symbolic(graph, input_, group):
+        """The forward's result without autograd."""
+        return C.split_first_dim(input_, group)
 
     @staticmethod
     def forward(ctx, input_, group):
@@ -113,6 +138,18 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     """g (sequence parallel): all-gather along the first dimension forward; backward
     reduce-scatter when the consumer is tensor-parallel (``tensor_parallel_output_grad``), else
     keep this rank's slice (the consumer ran the same computation on every rank)."""
+
+    @staticmethod
+    def symbolic(
+        graph,
+        input_,
+        group,
+        tensor_parallel_output_grad=True,
+        output_split_sizes=None,
+        use_global_buffer=False,
+    ):
+        """The forward's result without autograd (``use_global_buffer`` changes nothing)."""
+        return C.all_gather_first_dim(input_, group, output_split_sizes)
 
     @staticmethod
     def forward(ctx, input_, group, tensor_parallel_output_grad, output_split_sizes):
@@ -135,6 +172,11 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     backward."""
 
     @staticmethod
+    def symbolic(graph, input_, group, input_split_sizes=None, use_global_buffer=False):
+        """The forward's result without autograd (``use_global_buffer`` changes nothing)."""
+        return C.reduce_scatter_first_dim(input_, group, input_split_sizes)
+
+    @staticmethod
     def forward(ctx, input_, group, input_split_sizes):
         ctx.group = group
         ctx.input_split_sizes = input_split_sizes
@@ -149,6 +191,11 @@ class _AllGatherLastDimFromTensorParallelRegion(torch.autograd.Function):
     """All-gather along the last dimension forward; reduce-scatter along it backward."""
 
     @staticmethod
+    def symbolic(graph, input_, group):
+        """The forward's result without autograd."""
+        return C.all_gather_last_dim(input_, group)
+
+    @staticmethod
     def forward(ctx, input_, group):
         ctx.group = group
         return C.all_gather_last_dim(input_, group)
@@ -160,6 +207,11 @@ class _AllGatherLastDimFromTensorParallelRegion(torch.autograd.Function):
 
 class _ReduceScatterLastDimToTensorParallelRegion(torch.autograd.Function):
     """Reduce-scatter along the last dimension forward; all-gather along it backward."""
+
+    @staticmethod
+    def symbolic(graph, input_, group):
+        """The forward's result without autograd."""
+        return C.reduce_scatter_last_dim(input_, group)
 
     @staticmethod
     def forward(ctx, input_, group):
@@ -195,6 +247,19 @@ class _AllToAll(torch.autograd.Function):
             ctx.use_nccl_stream,
         )
         return None, grad, None, None, None
+
+
+# NOTE [ megatron-core's private names ]
+# 1. megatron-core names four of these classes differently; its unit tests (and code written
+#    against its module) reach them by those names, so each is also bound under megatron-core's.
+# 2. Like megatron-core's, each region class has ``symbolic(graph, input_, group, ...)`` (the hook
+#    of torch's TorchScript ONNX exporter), which returns the forward's result without autograd.
+_CopyToModelParallelRegion = _CopyToTensorParallelRegion
+_ReduceFromModelParallelRegion = _ReduceFromTensorParallelRegion
+_ScatterToModelParallelRegion = _ScatterToTensorParallelRegion
+_GatherFromModelParallelRegion = _GatherFromTensorParallelRegion
+_AllGatherFromTensorParallelRegion = _AllGatherLastDimFromTensorParallelRegion
+_ReduceScatterToTensorParallelRegion = _ReduceScatterLastDimToTensorParallelRegion
 
 
 # --- public region functions -----------------------------------------------------------------
