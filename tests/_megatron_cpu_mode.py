@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from _megatron_gpt import Run, batch, build_model, full_tensor, initialize, load_full
+from _megatron_gpt import Run, batch, build_model, causal_mask, full_tensor, initialize, load_full
 
 from megatron_core.megatron import cpu_mode
 
@@ -28,7 +28,7 @@ def gpt_loss(run: Run, full: dict[str, torch.Tensor], default_mask: bool) -> tor
     model = build_model(run)
     load_full(model, full)
     data = batch(0)
-    mask = None if default_mask else data["attention_mask"]
+    mask = None if default_mask else causal_mask()
     with torch.no_grad():
         return model(data["input_ids"], data["position_ids"], mask, labels=data["labels"])
 

@@ -1,15 +1,15 @@
 """Per-rank bodies for the megatron switch tests: megatron-core's own GPTModel on this core.
 
 Imported by the rank processes of megatron_core.testing; every body installs the switch before it
-imports megatron (workers are reused, so the install is idempotent). Sizes are tiny: the tests
-compare runs, they do not measure them.
+imports megatron (workers are reused, so the install is idempotent). Nothing here patches torch or
+megatron-core: on a torch without CUDA the switch's CPU mode (megatron_core/megatron/cpu_mode.py)
+answers megatron-core's CUDA calls. Sizes are tiny: the tests compare runs, they do not measure
+them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import types
 import unittest.mock
 
 import torch
@@ -33,6 +33,7 @@ class Run:
     recompute: str | None = None  # None, "full" (distribute_saved_activations) or "selective"
     moe: bool = False
     expert_bias: bool = False  # MoE router expert bias, updated in finalize_model_grads
+    dispatcher: str = "allgather"  # MoE token dispatcher: "allgather" or "alltoall"
     microbatches: int = 1
     seed: int = 1234
 
@@ -86,7 +87,7 @@ def config_of(run: Run):
         extra.update(
             num_moe_experts=4,
             moe_router_topk=2,
-            moe_token_dispatcher_type="allgather",
+            moe_token_dispatcher_type=run.dispatcher,
             moe_aux_loss_coeff=0.0,
             moe_router_enable_expert_bias=run.expert_bias,
             moe_router_bias_update_rate=0.01,
@@ -109,39 +110,23 @@ def config_of(run: Run):
     )
 
 
-def _router_logits_on_cpu(router, hidden: torch.Tensor) -> torch.Tensor:
-    """The router's logits where its weight lives. megatron-core 0.16.1's ``TopKRouter.gating``
-    cannot run on CPU: it moves a CPU weight to ``torch.cuda.current_device()`` (moe/router.py,
-    "Torch not compiled with CUDA enabled"), and without Transformer Engine its
-    ``router_gating_linear`` raises "NameError: name 'te_general_gemm' is not defined"
-    (moe/moe_utils.py). A CPU user computes the same logits with torch (in the routing dtype)."""
-    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
-        router.config.moe_router_dtype, hidden.dtype
-    )
-    bias = None if router.bias is None else router.bias.to(dtype)
-    return torch.nn.functional.linear(hidden.to(dtype), router.weight.to(dtype), bias)
-
-
 def build_model(run: Run, pre_process: bool = True, post_process: bool = True):
     """megatron-core's own GPTModel (local spec) for ``run`` on this rank."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.moe.router import TopKRouter
 
-    # With expert bias, megatron-core's TopKRouter makes its buffers on
-    # torch.cuda.current_device() (moe/router.py:169): "cpu" answers for it on a CPU-only torch.
-    with cpu_only_cuda_calls() if run.expert_bias else contextlib.nullcontext():
-        model = GPTModel(
-            config=config_of(run),
-            transformer_layer_spec=_layer_spec(run),
-            vocab_size=VOCAB,
-            max_sequence_length=SEQ,
-            pre_process=pre_process,
-            post_process=post_process,
-        )
-    for module in model.modules():
-        if isinstance(module, TopKRouter):
-            module.gating = types.MethodType(_router_logits_on_cpu, module)
-    return model
+    return GPTModel(
+        config=config_of(run),
+        transformer_layer_spec=_layer_spec(run),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=pre_process,
+        post_process=post_process,
+    )
+
+
+def causal_mask() -> torch.Tensor:
+    """The causal mask megatron-core takes (True = masked out), as a user would pass it."""
+    return torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
 
 
 def batch(step: int, microbatch: int = 0) -> dict[str, torch.Tensor]:
@@ -152,9 +137,9 @@ def batch(step: int, microbatch: int = 0) -> dict[str, torch.Tensor]:
         "input_ids": tokens[:, :-1],
         "labels": tokens[:, 1:],
         "position_ids": torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ),
-        # megatron-core builds a missing causal mask on "cuda" (transformer/utils.py
-        # get_default_causal_mask), so a CPU user passes it: True = masked out.
-        "attention_mask": torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1),
+        # None: megatron-core makes the causal mask itself (with device="cuda", which the CPU
+        # mode reads as the CPU; tests/test_megatron_cpu_mode_gpt.py checks it is the explicit one).
+        "attention_mask": None,
     }
 
 
@@ -297,41 +282,6 @@ def initial_state(run: Run) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@contextlib.contextmanager
-def cpu_only_cuda_calls():
-    """megatron-core 0.16.1's torch_dist save strategy assumes CUDA twice: it copies the tensors
-    to host and then calls ``torch.cuda.synchronize()`` unconditionally
-    (dist_checkpointing/strategies/filesystem_async.py, preload_tensors), and it agrees on
-    failures with a tensor made on ``torch.cuda.current_device()``
-    (strategies/state_dict_saver.py, save_state_dict_async_finalize); both raise "AssertionError:
-    Torch not compiled with CUDA enabled" on a CPU-only torch. megatron-core 0.19's DDP also
-    waits on ``torch.cuda.current_stream()`` for CUDA-graph events in ``start_grad_sync``
-    (distributed/param_and_grad_buffer.py). With no CUDA there is nothing to wait for and the CPU
-    is the device, so a CPU user patches those calls."""
-    if torch.cuda.is_available():
-        yield
-        return
-    with (
-        unittest.mock.patch.object(torch.cuda, "synchronize", lambda device=None: None),
-        unittest.mock.patch.object(torch.cuda, "current_device", lambda: "cpu"),
-        unittest.mock.patch.object(torch.cuda, "current_stream", lambda device=None: _NoStream()),
-    ):
-        yield
-
-
-class _NoStream:
-    """The current stream of a device without streams: every wait is already satisfied."""
-
-    def wait_event(self, event) -> None:
-        del event
-
-    def wait_stream(self, stream) -> None:
-        del stream
-
-    def synchronize(self) -> None:
-        pass
-
-
 def save_checkpoint(run: Run, full: dict[str, torch.Tensor], directory: str) -> dict:
     """Save megatron-core's GPTModel with megatron-core's dist_checkpointing; return the
     unsharded parameters that were saved."""
@@ -341,8 +291,7 @@ def save_checkpoint(run: Run, full: dict[str, torch.Tensor], directory: str) -> 
     model = build_model(run)
     names = _layer_names(model)
     load_full(model, {n: full[g] for n, g in names.items() if g in full})
-    with cpu_only_cuda_calls():
-        dist_checkpointing.save(model.sharded_state_dict(), directory)
+    dist_checkpointing.save(model.sharded_state_dict(), directory)
     return {names[n]: full_tensor(p, p) for n, p in model.named_parameters()}
 
 

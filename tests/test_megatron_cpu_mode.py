@@ -65,7 +65,7 @@ def test_answered_names_are_the_replaced_ones_and_disable_restores_them():
             owner, _, attr = name.rpartition(".")
             return getattr(eval(owner), attr)
 
-        names = list(cpu_mode.ANSWERED)
+        names = [n for n in cpu_mode.ANSWERED if n.startswith("torch.")]
         stand_ins = sorted(f"{module.__name__}.{attr}" for module, attr in cpu_mode._stand_ins())
         before = {n: lookup(n) for n in names}
         cpu_mode.enable()
@@ -81,6 +81,61 @@ def test_answered_names_are_the_replaced_ones_and_disable_restores_them():
     attributes = sorted(n for n in cpu_mode.ANSWERED if n.startswith(("torch.cuda.", "torch.dist")))
     assert report["replaced"] == attributes == report["stand_ins"]
     assert report["restored"] and report["stack"] == 0
+    # The rest: torch.Tensor / torch.nn.Module (the torch-function mode) and the module names of
+    # rule 8, each name in COMPLETED exactly once.
+    completed = sorted(
+        f"{module}.{name}" for module, names in cpu_mode.COMPLETED.items() for name in names
+    )
+    assert completed == sorted(n for n in cpu_mode.ANSWERED if n.startswith("megatron."))
+    others = {n for n in cpu_mode.ANSWERED if n not in attributes and n not in completed}
+    assert all(n.startswith(("torch.Tensor.", "torch.nn.Module.")) for n in others), others
+
+
+def test_undefined_module_names_are_completed_on_import_and_removed_on_disable(tmp_path):
+    # A stand-in package named like megatron-core's module (first on the path): one version
+    # leaves te_general_gemm undefined, as megatron-core 0.16.1 does without Transformer
+    # Engine, the other defines it.
+    package = tmp_path / "megatron" / "core" / "transformer" / "moe"
+    package.mkdir(parents=True)
+    for level in (package, *list(package.parents)[:3]):
+        (level / "__init__.py").write_text("")
+    report = run_python(
+        f"""
+        import importlib, json, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from megatron_core.megatron import cpu_mode
+
+        path = {str(package / "moe_utils.py")!r}
+        name = "megatron.core.transformer.moe.moe_utils"
+
+        def fresh(text):
+            open(path, "w").write(text)
+            sys.modules.pop(name, None)
+            importlib.invalidate_caches()
+            return importlib.import_module(name)
+
+        cpu_mode.enable()
+        bare = fresh("def gating():\\n    return te_general_gemm\\n")
+        on_import = [bare.gating() is None, "te_general_gemm" in vars(bare)]
+        own = fresh("te_general_gemm = 'theirs'\\n")
+        kept = own.te_general_gemm
+        cpu_mode.disable()
+        own_kept = "te_general_gemm" in vars(own)
+        bare_after = "te_general_gemm" in vars(bare)
+        # Imported before the mode turned on: completed when it does.
+        early = fresh("def gating():\\n    return te_general_gemm\\n")
+        cpu_mode.enable()
+        late = early.gating() is None
+        cpu_mode.disable()
+        print(json.dumps({{"on_import": on_import, "kept": kept, "own_kept": own_kept,
+                          "bare_after": bare_after, "late": late,
+                          "finder_gone": not any(type(f).__name__ == "_CompletingFinder"
+                                                 for f in sys.meta_path)}}))
+        """
+    )
+    assert report["on_import"] == [True, True]
+    assert report["kept"] == "theirs" and report["own_kept"]
+    assert not report["bare_after"] and report["late"] and report["finder_gone"]
 
 
 @needs_no_cuda
@@ -192,6 +247,11 @@ def test_streams_events_and_rng_stand_ins():
             inside = torch.cuda.current_stream() is stream
             with torch.cuda.stream(None):
                 none_kept = torch.cuda.current_stream() is stream
+        context = torch.cuda.stream(stream)  # reusable, as torch's StreamContext
+        with context:
+            pass
+        with context:
+            inside = inside and torch.cuda.current_stream() is stream
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         default.wait_stream(stream)
@@ -384,3 +444,30 @@ def test_spawn_children_get_the_parents_choice(choice):
         """
     )
     assert report == [choice is None, choice is None]
+
+
+@needs_no_cuda
+def test_device_count_is_the_local_world_size():
+    # NOTE rule 5: one device per process on the node, so megatron-core's
+    # set_device(rank % device_count()) does not divide by zero; is_available() stays False.
+    code = """
+        import json, os, torch
+        from megatron_core.megatron import cpu_mode
+        from megatron_core.errors import MegatronCoreError
+
+        before = torch.cuda.device_count()
+        cpu_mode.enable()
+        seen = [torch.cuda.device_count(), torch.cuda.is_available()]
+        os.environ["LOCAL_WORLD_SIZE"] = "bad"
+        try:
+            torch.cuda.device_count()
+        except MegatronCoreError as error:
+            seen.append(str(error))
+        del os.environ["LOCAL_WORLD_SIZE"]
+        seen.append(torch.cuda.device_count())
+        cpu_mode.disable()
+        print(json.dumps([before, *seen, torch.cuda.device_count()]))
+        """
+    before, count, available, error, unset, after = run_python(code, LOCAL_WORLD_SIZE="3")
+    assert (before, count, available, unset, after) == (0, 3, False, 1, 0)
+    assert "LOCAL_WORLD_SIZE='bad'" in error

@@ -4,8 +4,8 @@ Each test trains megatron-core 0.16.1's unmodified GPTModel a few Adam steps on 
 ``megatron.core.parallel_state`` / ``tensor_parallel`` / ``pipeline_parallel`` /
 ``finalize_model_grads`` served by this package (megatron_core.megatron.install()), and compares
 it with the same model at tp = pp = ep = 1 from the same initial weights. The bodies live in
-tests/_megatron_gpt.py (imported by the ranks). Where megatron-core itself cannot run on a CPU,
-the helper works around it as a user would and says why.
+tests/_megatron_gpt.py (imported by the ranks); nothing in them patches torch or megatron-core
+(the switch's CPU mode answers megatron-core's CUDA calls).
 """
 
 import dataclasses
@@ -93,12 +93,13 @@ def test_recompute_is_bitwise_equal_with_dropout(distributed, dense_start):
         _assert_runs_equal(plain[0], per_rank, exact=True)
 
 
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 @pytest.mark.parametrize("expert_bias", [False, True])
-def test_moe_layer_expert_parallel_2_matches_1(expert_bias):
-    # The router's logits are computed with torch on CPU (_megatron_gpt._router_logits_on_cpu):
-    # megatron-core 0.16.1's TopKRouter.gating needs CUDA (and Transformer Engine without it).
+def test_moe_layer_expert_parallel_2_matches_1(expert_bias, dispatcher):
+    # megatron-core's own TopKRouter and token dispatcher, unpatched: the CPU mode answers the
+    # router's torch.cuda.current_device() and the alltoall dispatcher's torch.cuda.Stream().
     # With expert_bias, finalize_model_grads also moves every router's bias towards balance.
-    moe = dataclasses.replace(MOE, expert_bias=expert_bias)
+    moe = dataclasses.replace(MOE, expert_bias=expert_bias, dispatcher=dispatcher)
     start = run_distributed(initial_state, 1, moe, timeout=TIMEOUT)[0]
     reference = run_distributed(train, 1, moe, start, timeout=TIMEOUT)[0]
     if expert_bias:

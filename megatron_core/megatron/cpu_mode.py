@@ -22,29 +22,40 @@ by ``megatron_core.megatron.install``; every name it answers is in :data:`ANSWER
    entry points run (hooks, a custom ``Function.backward``, reentrant checkpointing) would run
    without it. For ``Tensor.backward``, ``torch.autograd.backward`` and ``torch.autograd.grad``
    the handler puts the mode back and redispatches (``torch.overrides.redispatch_function``,
-   ``compat.redispatch_torch_function``); where torch lacks that, those run without the mode.
+   ``compat.redispatch_torch_function``); where torch lacks that (2.6 and 2.11 lack it), those run
+   without the mode, except this package's checkpoint recomputes, which enter the forward's
+   torch-function modes again (NOTE [ Checkpoint rules ], rule 2).
 4. Threads. torch's mode stack belongs to a thread: the mode is pushed in the thread that turns
    the CPU mode on (autograd's engine carries it into backward). Another thread that makes
    tensors on "cuda" is not covered; every replaced ``torch.cuda`` name is (rule 5).
 5. Names. The ``torch.cuda`` names in :data:`ANSWERED` are replaced by CPU stand-ins: the current
    device is 0, ``set_device`` / ``synchronize`` do nothing, streams and events are CPU objects
-   that are always complete, and CUDA's random generator is the CPU's. ``is_available()`` and
-   ``device_count()`` keep torch's answer (False, 0): megatron-core asks them to choose
-   CUDA-only work (memory statistics, Transformer Engine, Triton kernels), so its code takes the
-   path that runs on a CPU, and its unit tests that skip without CUDA still skip.
+   that are always complete, and CUDA's random generator is the CPU's. ``device_count()`` is
+   the number of processes on this node (torchrun's ``LOCAL_WORLD_SIZE``, 1 without it): one
+   device per local rank, as on the GPU node megatron-core's launch code assumes (its tests'
+   ``set_device(rank % device_count())`` divides by it). ``is_available()`` keeps torch's answer
+   (False): megatron-core asks it to choose CUDA-only work (memory statistics, Transformer
+   Engine, Triton kernels), so its code takes the path that runs on a CPU, and its unit tests
+   that skip without CUDA still skip.
 6. Groups. ``init_process_group`` and ``new_group`` asked for NCCL (``"nccl"`` or a map such as
    ``"cuda:nccl,cpu:gloo"``) make a gloo group; the NCCL ``pg_options`` and a CUDA ``device_id``
    that came with the request are dropped.
 7. Off. :func:`disable` puts every replaced name back and takes the mode off the stack, wherever
    it is; turning the mode on twice pushes it once. The mode warns once per process when it is
    first turned on (a ``UserWarning`` naming how to turn it off).
+8. Undefined names. A megatron-core module in :data:`COMPLETED` that leaves one of its names
+   undefined where Transformer Engine is absent (a NameError on first use; Transformer Engine is
+   never there on a CPU) gets the value megatron-core's later releases give it there, when the
+   module is imported or, if it already is, when the mode turns on. A name the module defines is
+   left alone; :func:`disable` removes only what the mode added.
 """
 
 from __future__ import annotations
 
-import contextlib
+import importlib.abc
 import inspect
 import os
+import sys
 import time
 import warnings
 
@@ -58,6 +69,7 @@ from megatron_core.errors import MegatronCoreError
 __all__ = [
     "ENV",
     "ANSWERED",
+    "COMPLETED",
     "CpuStream",
     "CpuEvent",
     "wanted",
@@ -72,10 +84,12 @@ ENV = "MEGATRON_CORE_CUDA_ON_CPU"
 # Every CUDA name the CPU mode answers -> what it answers (README "CPU mode" lists the same names;
 # tests/test_megatron_cpu_mode.py checks that the list, the README and the replaced names agree).
 # torch.cuda.* and torch.distributed.* names are replaced attributes (NOTE rules 5 and 6); the
-# torch.Tensor / torch.nn.Module names are answered through the torch-function mode (rule 2).
+# torch.Tensor / torch.nn.Module names are answered through the torch-function mode (rule 2); the
+# megatron.* names are module names the mode defines where megatron-core did not (rule 8).
 ANSWERED: dict[str, str] = {
     "torch.cuda.current_device": "0 (an index the mode reads as the CPU)",
     "torch.cuda.set_device": "does nothing",
+    "torch.cuda.device_count": "the processes on this node (LOCAL_WORLD_SIZE; 1 without it)",
     "torch.cuda.synchronize": "does nothing",
     "torch.cuda.current_stream": "the current CpuStream",
     "torch.cuda.default_stream": "the default CpuStream",
@@ -92,12 +106,22 @@ ANSWERED: dict[str, str] = {
     "torch.Tensor.cuda": "the tensor itself",
     "torch.Tensor.type": "a CPU tensor's type named as on CUDA (torch.cuda.FloatTensor)",
     "torch.nn.Module.cuda": "moves nothing (through torch.Tensor.cuda)",
+    "megatron.core.transformer.moe.moe_utils.te_general_gemm": "None where the module left it "
+    "undefined (megatron-core 0.16.1 without Transformer Engine), so the MoE router's gating "
+    "takes its torch path",
+}
+
+# NOTE rule 8: megatron-core module -> {name: value} the mode defines where the module did not.
+# megatron-core 0.16.1's moe_utils binds te_general_gemm only when Transformer Engine imports,
+# and its RouterGatingLinearFunction reads it unconditionally; 0.19 binds None there.
+COMPLETED: dict[str, dict[str, object]] = {
+    "megatron.core.transformer.moe.moe_utils": {"te_general_gemm": None},
 }
 
 TRUE_VALUES = ("1", "true", "yes", "on")  # of an environment variable, lower-cased
 _FALSE = ("0", "false", "no", "off")
 _CPU = torch.device("cpu")
-_STATE: dict = {"mode": None, "originals": {}, "warned": False}
+_STATE: dict = {"mode": None, "originals": {}, "warned": False, "finder": None, "added": []}
 
 
 def _names_cuda(where) -> bool:
@@ -142,6 +166,8 @@ def _tensor_type(tensor, dtype=None, non_blocking=False, **kwargs):
     if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
         dtype = "torch." + dtype[len("torch.cuda.") :]
     return _TENSOR_TYPE(tensor, dtype, non_blocking, **kwargs)
+
+
 _AUTOGRAD_ENTRIES = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
 
 
@@ -223,19 +249,49 @@ _DEFAULT_STREAM = CpuStream()
 _STREAMS: list[CpuStream] = [_DEFAULT_STREAM]
 
 
-@contextlib.contextmanager
-def _stream(stream):
-    """``torch.cuda.stream(s)``: ``s`` is the current stream inside (None changes nothing)."""
-    _STREAMS.append(_STREAMS[-1] if stream is None else stream)
-    try:
-        yield stream
-    finally:
+class _StreamContext:
+    """``torch.cuda.stream(s)``: ``s`` is the current stream inside (None changes nothing). It
+    can be entered again after it exits, as torch's StreamContext can (megatron-core's DDP
+    enters one twice)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def __enter__(self):
+        _STREAMS.append(_STREAMS[-1] if self.stream is None else self.stream)
+        return self.stream
+
+    def __exit__(self, *exc_info) -> bool:
         _STREAMS.pop()
+        return False
+
+
+def _stream(stream) -> _StreamContext:
+    """``torch.cuda.stream(s)`` (NOTE rule 5)."""
+    return _StreamContext(stream)
 
 
 def _seed(seed: int) -> None:
     # Not torch.manual_seed: that seeds CUDA's generators too, i.e. calls this again.
     torch.default_generator.manual_seed(int(seed))
+
+
+def _device_count() -> int:
+    """NOTE rule 5: one device per process on this node (torchrun's LOCAL_WORLD_SIZE, else 1).
+
+    Raises:
+        MegatronCoreError: ``LOCAL_WORLD_SIZE`` is set but is not a positive integer (the message
+            names the value).
+    """
+    value = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if not value:
+        return 1
+    if not value.isdigit() or int(value) < 1:
+        raise MegatronCoreError(
+            f"CPU mode: torch.cuda.device_count() reads LOCAL_WORLD_SIZE={value!r}, which is not "
+            f"a positive integer (torchrun sets it to the number of processes on this node)"
+        )
+    return int(value)
 
 
 def _set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
@@ -268,6 +324,7 @@ def _stand_ins() -> dict[tuple[object, str], object]:
     return {
         (cuda, "current_device"): lambda: 0,
         (cuda, "set_device"): lambda device=None: None,
+        (cuda, "device_count"): _device_count,
         (cuda, "synchronize"): lambda device=None: None,
         (cuda, "current_stream"): lambda device=None: _STREAMS[-1],
         (cuda, "default_stream"): lambda device=None: _DEFAULT_STREAM,
@@ -281,6 +338,50 @@ def _stand_ins() -> dict[tuple[object, str], object]:
         (dist, "init_process_group"): _gloo_for_nccl(dist.init_process_group),
         (dist, "new_group"): _gloo_for_nccl(dist.new_group),
     }
+
+
+def _complete(module) -> None:
+    """Define :data:`COMPLETED`'s names that ``module`` left undefined (NOTE rule 8)."""
+    for name, value in COMPLETED.get(module.__name__, {}).items():
+        if not hasattr(module, name):
+            setattr(module, name, value)
+            _STATE["added"].append((module, name))
+
+
+class _CompletingLoader(importlib.abc.Loader):
+    """Runs another loader, then completes the module it made (NOTE rule 8)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        _complete(module)
+
+    def __getattr__(self, name):  # get_source, get_filename, ... of the wrapped loader
+        return getattr(self.loader, name)
+
+
+class _CompletingFinder(importlib.abc.MetaPathFinder):
+    """Finds :data:`COMPLETED`'s modules through the rest of ``sys.meta_path`` and wraps their
+    loader in a :class:`_CompletingLoader`."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in COMPLETED:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _CompletingLoader(spec.loader)
+                return spec
+        return None
 
 
 def is_active() -> bool:
@@ -327,6 +428,12 @@ def enable() -> None:
     for (module, name), stand_in in _stand_ins().items():
         originals[(module, name)] = getattr(module, name)
         setattr(module, name, stand_in)
+    finder = _CompletingFinder()
+    sys.meta_path.insert(0, finder)
+    _STATE["finder"] = finder
+    for name in COMPLETED:
+        if name in sys.modules:
+            _complete(sys.modules[name])
     mode = _CudaOnCpu()
     mode.__enter__()
     _STATE["mode"] = mode
@@ -347,6 +454,14 @@ def disable() -> None:
     while originals:
         (module, name), original = originals.popitem()
         setattr(module, name, original)
+    finder, _STATE["finder"] = _STATE["finder"], None
+    if finder in sys.meta_path:
+        sys.meta_path.remove(finder)
+    added = _STATE["added"]
+    while added:
+        module, name = added.pop()
+        if hasattr(module, name):
+            delattr(module, name)
     mode, _STATE["mode"] = _STATE["mode"], None
     if mode is not None:
         _remove_from_stack(mode)

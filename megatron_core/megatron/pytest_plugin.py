@@ -10,15 +10,30 @@ installs the switch (megatron_core.megatron.install) before any conftest imports
 suite's ``megatron.core.parallel_state`` etc. are this package's. When torch has no CUDA that
 turns on the switch's CPU mode (cpu_mode.py, NOTE [ CUDA on the CPU ]): the suite's CUDA-only
 set-up runs on CPU ranks (a process group requested with "nccl" is gloo, ``torch.cuda.set_device``
-does nothing, ...). The CPU mode is turned off at the end of the session.
+does nothing, ``torch.cuda.device_count()`` is the number of local ranks, ...). The CPU mode is
+turned off at the end of the session.
+
+# NOTE [ megatron-core's conftest without Transformer Engine ]
+1. megatron-core's own unit-test conftest asks ``megatron.core.utils.is_te_min_version("1.3")``
+   before every test. megatron-core answers it by comparing ``get_te_version()`` with the
+   version, and ``get_te_version()`` is None without Transformer Engine, so every test errors
+   with ``TypeError: '>=' not supported between instances of 'NoneType' and 'Version'``.
+2. So, where ``transformer_engine`` cannot be imported, the plugin replaces that one function of
+   installed megatron-core, right after installing the switch and before the conftests load, with
+   one that answers False while ``get_te_version()`` is None and calls megatron-core's own
+   otherwise (this package's ``megatron_core.utils.is_te_min_version`` answers the same).
+3. Nothing else of megatron-core is replaced; with Transformer Engine installed nothing is. The
+   original is put back at the end of the session.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 
 SWITCH_FLAG = "--megatron-core-switch"
-_STATE = {"installed": False}
+_STATE: dict = {"installed": False, "te_check": None}
 
 
 def pytest_addoption(parser) -> None:
@@ -51,10 +66,34 @@ def pytest_load_initial_conftests(early_config, parser, args) -> None:
     os.environ[megatron.SWITCH_ENV] = "1"  # processes the suite spawns install it too
     megatron.install()
     _STATE["installed"] = True
+    _answer_te_version_check()
+
+
+def _answer_te_version_check() -> None:
+    """NOTE [ megatron-core's conftest without Transformer Engine ], rule 2."""
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return  # rule 3
+    import megatron.core.utils as megatron_utils
+
+    original = megatron_utils.is_te_min_version
+
+    @functools.wraps(original)
+    def is_te_min_version(version, check_equality=True):
+        if megatron_utils.get_te_version() is None:
+            return False
+        return original(version, check_equality)
+
+    megatron_utils.is_te_min_version = is_te_min_version
+    _STATE["te_check"] = (megatron_utils, original)
 
 
 def pytest_unconfigure(config) -> None:
-    """Turn the CPU mode off again (only where this plugin installed the switch)."""
+    """Put megatron-core's ``is_te_min_version`` back and turn the CPU mode off again (only
+    where this plugin installed the switch)."""
+    if _STATE["te_check"] is not None:
+        module, original = _STATE["te_check"]
+        _STATE["te_check"] = None
+        module.is_te_min_version = original
     if _STATE["installed"]:
         _STATE["installed"] = False
         from megatron_core.megatron import cpu_mode

@@ -12,10 +12,11 @@ autocast replay, checksums), nonreentrant.py, without_output.py.
 
 # NOTE [ Checkpoint rules ]
 1. What is saved. Between forward and backward a checkpoint keeps its inputs, the forward's RNG
-   snapshot, autocast state and torch-function modes, and nothing of the region's activations. An input is kept as
-   given (an in-place change before backward raises), or as a separate copy when distributed or
-   offloaded. The caller's tensors are never modified: megatron-core replaces ``args[0].data`` by
-   the chunk, DeepSpeed leaves the caller's input as a 0-d tensor; here the chunk is a new tensor.
+   snapshot, autocast state and torch-function modes, and nothing of the region's activations.
+   An input is kept as given (an in-place change before backward raises), or as a separate copy
+   when distributed or offloaded. The caller's tensors are never modified: megatron-core
+   replaces ``args[0].data`` by the chunk, DeepSpeed leaves the caller's input as a 0-d tensor;
+   here the chunk is a new tensor.
 2. RNG replay order. Forward: snapshot the CPU generator, the device generator and every tracker
    stream, then run the function without grad (reentrant) or with saved-tensor hooks
    (non-reentrant). Backward: rebuild the inputs (rules 3, 4) -> snapshot the states current now
