@@ -25,6 +25,7 @@ from _megatron_gpt import (
     build_model,
     full_tensor,
     initialize,
+    install,
     load_full,
 )
 
@@ -43,12 +44,16 @@ class DDPRun:
     lr: float = 1e-3
 
 
-def megatron_cores_finalize_model_grads():
-    """megatron-core's own finalize_model_grads (the switch serves ours under its name), loaded
-    from its file under a private name; it runs on this package's parallel_state."""
+def megatron_cores_finalize_module():
+    """megatron-core's own finalize_model_grads module (the switch serves ours under its name),
+    loaded from its file under a private name with the switch installed first, so its imports
+    are this package's parallel_state and it runs on it. (Importing megatron-core's module by
+    its own name before the switch would import megatron-core's parallel_state, and a later
+    install() in the same process is refused: the rank processes are reused by other tests.)"""
     import importlib.util
     import os
 
+    install()
     import megatron.core.distributed as package
 
     path = os.path.join(os.path.dirname(package.__file__), "finalize_model_grads.py")
@@ -56,7 +61,7 @@ def megatron_cores_finalize_model_grads():
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.finalize_model_grads
+    return module
 
 
 def _wrap(ddp_run: DDPRun, model):
@@ -166,7 +171,9 @@ def train_ddp(ddp_run: DDPRun, full: dict[str, torch.Tensor]) -> dict:
     optimizer = _optimizer(ddp_run, ddp)
     config = model.config
     config.finalize_model_grads_func = (
-        megatron_cores_finalize_model_grads() if ddp_run.megatron_finalize else finalize_model_grads
+        megatron_cores_finalize_module().finalize_model_grads
+        if ddp_run.megatron_finalize
+        else finalize_model_grads
     )
     config.no_sync_func = ddp.no_sync
     if ddp_run.overlap_grad_reduce:

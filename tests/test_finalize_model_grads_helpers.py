@@ -4,8 +4,6 @@ embedders, on 4 gloo ranks (tp=2 x pp=2), against sums computed by hand and, whe
 is installed, against megatron-core's own helpers given the same groups."""
 
 import importlib
-import importlib.util
-import os
 import types
 
 import pytest
@@ -62,24 +60,6 @@ def _grads(model) -> dict:
     }
 
 
-def _megatron_cores_own():
-    """megatron-core's own finalize_model_grads module, loaded from its file under a private
-    name with the switch installed first: the rank processes are reused by other tests, which
-    need megatron's served names to be this package's (installing after megatron-core's own
-    parallel_state was imported is refused)."""
-    from megatron_core import megatron as switch
-
-    switch.install()
-    import megatron.core.distributed as package
-
-    path = os.path.join(os.path.dirname(package.__file__), "finalize_model_grads.py")
-    name = "megatron.core.distributed._megatron_cores_finalize_model_grads"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _body(use_megatron: bool) -> dict:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=2, pipeline_model_parallel_size=2
@@ -92,7 +72,9 @@ def _body(use_megatron: bool) -> dict:
     out = {}
     implementations = {"ours": fmg}
     if use_megatron:
-        implementations["megatron"] = _megatron_cores_own()
+        from _megatron_ddp import megatron_cores_finalize_module
+
+        implementations["megatron"] = megatron_cores_finalize_module()
     for label, module in implementations.items():
         model = _model(rank, 1)
         module._allreduce_word_embedding_grads(model, config, embd, pp)
