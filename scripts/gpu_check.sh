@@ -1,57 +1,182 @@
 #!/usr/bin/env bash
-# The CUDA checks of issue 11, point 4, for a machine with at least one NVIDIA GPU.
+# The CUDA / NCCL checks (issue 38) for a machine with one or more NVIDIA GPUs, sized for a lent
+# machine: one GPU, 16 cores, its own torch, nothing installable, minutes of device time.
 #
-#   bash scripts/gpu_check.sh            # from the repository root; writes $OUT/summary.log
+#   bash scripts/gpu_check.sh                 # every step, most valuable first
+#   bash scripts/gpu_check.sh train checks    # only these steps, in this order
+#   bash scripts/gpu_check.sh --dry-run       # no GPU: check that every step's script is there
+#                                             # and compiles, print the commands (CI runs this)
 #
-# Steps (each logged to $OUT/<step>.log; a failing step does not stop the others):
-#   1. the test suite in the harness's CUDA mode (MEGATRON_CORE_TEST_DEVICE=cuda: NCCL for CUDA
-#      tensors, gloo for CPU ones, one GPU per rank; world sizes above the GPU count are skipped
-#      with a reason naming both numbers);
-#   2. the main job on the GPU in bf16 and in fp16 (TP 1, 100 iterations, default model);
-#   3. scripts/precision_drift.py on the GPU (TP 1): bf16/fp16 loss drift vs fp32;
-#   4. the GPU columns of the benchmarks (activation memory, checkpoint modes) in bf16.
-# $OUT defaults to ./gpu_check_out. summary.log gets one line per step (exit status, seconds)
-# plus the lines of each log that carry the results.
+# Run from anywhere; it runs the package from this work tree (PYTHONPATH). A pure-Python package
+# the machine lacks travels as wheels in .whl/ (megatron-core for the suite's megatron tests):
+# they are installed into /tmp/site first. Results go to $OUT (default ./gpu_check_out), each
+# step's log as soon as it ends, and one line per step (exit status, seconds, the result lines)
+# in $OUT/summary.log, so a run cut short still returns what ran. At most 8 files are written.
+#
+# Steps, in the default order:
+#   bench_mlp  scripts/benchmark_mlp_cuda.py: ColumnParallel -> RowParallel MLP in bf16 at hidden
+#              4096 and 8192 (TFLOP/s, share of the measured GEMM peak, allocator peak), against
+#              torch nn.Linear, with our / torch's checkpoint, checks always vs off. Runs alone.
+#   tests      the suite in the harness's CUDA mode (MEGATRON_CORE_TEST_DEVICE=cuda): world size
+#              1 on NCCL, larger worlds share the GPU over gloo (harness rule 7); in the
+#              background, pytest-xdist when present, beside the next steps. Environment:
+#              GPU_CHECK_TESTS (paths, default tests), GPU_CHECK_TESTS_LIMIT_S (default 300),
+#              GPU_CHECK_TESTS_WORKERS (xdist workers, default 8).
+#   checks     scripts/check_tensor_parallel_cuda.py, check_pipeline_cuda.py and
+#              check_parallel_state_nccl.py, one rank (NCCL).
+#   train      the main job with --device cuda --bf16: 300 iterations saved at 150 and 300; a run
+#              resumed from 150 must end with bitwise the same checkpoint; the GPU's checkpoint
+#              then loads at TP 2 on two CPU ranks (gloo) and trains on.
+#   drift      scripts/precision_drift.py on the GPU (bf16 / fp16 loss drift vs fp32).
 set -u
 cd "$(dirname "$0")/.."
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then
+  DRY=1
+  shift
+fi
+ALL_STEPS="bench_mlp tests checks train drift"
+STEPS="${*:-$ALL_STEPS}"
+for s in $STEPS; do
+  case " $ALL_STEPS " in *" $s "*) ;; *) echo "gpu_check: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2 ;; esac
+done
 OUT="${OUT:-$PWD/gpu_check_out}"
+PY="${PYTHON:-python3}"
+TESTS_LIMIT_S="${GPU_CHECK_TESTS_LIMIT_S:-300}"  # the suite's share of a 10-minute call
+TESTS="${GPU_CHECK_TESTS:-tests}"  # test files or folders for the tests step
+
+SCRIPTS="scripts/benchmark_mlp_cuda.py scripts/check_tensor_parallel_cuda.py scripts/check_pipeline_cuda.py
+scripts/check_parallel_state_nccl.py scripts/train_gpt.py scripts/precision_drift.py"
+if [ "$DRY" = 1 ]; then
+  for f in $SCRIPTS; do
+    [ -f "$f" ] || { echo "gpu_check --dry-run: $f is missing" >&2; exit 1; }
+  done
+  # shellcheck disable=SC2086
+  "$PY" -m py_compile $SCRIPTS || exit 1
+  echo "gpu_check --dry-run: steps $STEPS; scripts present and compiling: $(echo $SCRIPTS)"
+  exit 0
+fi
+
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.log"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export CUDA_DEVICE_MAX_CONNECTIONS=1  # the overlapped linear backward (NOTE in linear_impl.py)
-
 {
-  echo "gpu_check $(date -u +%FT%TZ) at $(git rev-parse --short HEAD 2>/dev/null)"
-  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+  echo "gpu_check $(date -u +%FT%TZ) at $(git rev-parse --short HEAD 2>/dev/null), steps: $STEPS"
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-')"
+  "$PY" -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>&1 | tail -n 1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
-} > "$SUMMARY" 2>&1
+} >> "$SUMMARY" 2>&1
 
-step() {  # step NAME GREP_PATTERN COMMAND...
-  local name="$1" pattern="$2"
-  shift 2
-  local start=$SECONDS
-  "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: exit $rc, $((SECONDS - start)) s: $*" >> "$SUMMARY"
-  grep -E "$pattern" "$OUT/$name.log" | tail -n 40 >> "$SUMMARY"
+note() {  # note NAME RC START LOG PATTERN: one summary line and the log's result lines
+  echo "== $1: exit $2, $((SECONDS - $3)) s" >> "$SUMMARY"
+  grep -E "$5" "$4" | tail -n 60 >> "$SUMMARY"
 }
 
-step tests_cuda "passed|failed|error|SKIPPED|FAILED" \
-  env MEGATRON_CORE_TEST_DEVICE=cuda python -m pytest tests -q -rs --timeout=1800
-step train_bf16 "^train_gpt|^iteration|^done|Error|error" \
-  python scripts/train_gpt.py --device cuda --bf16 --tensor-model-parallel-size 1 \
-    --train-iters 100 --log-interval 20
-step train_fp16 "^train_gpt|^iteration|^done|^fp16|skipped|Error|error" \
-  python scripts/train_gpt.py --device cuda --fp16 --tensor-model-parallel-size 1 \
-    --train-iters 100 --log-interval 20
-step precision_drift "^\||iterations|Error|error" \
-  python scripts/precision_drift.py --device cuda --tp 1
-step bench_activation_memory "^\||Error|error" \
-  torchrun --standalone --nproc_per_node=1 scripts/benchmark_activation_memory.py \
-    --device cuda --tp 1 --dtype bf16
-step bench_checkpoint "^\||Error|error" \
-  torchrun --standalone --nproc_per_node=1 scripts/benchmark_checkpoint.py \
-    --device cuda --tp 1 --seq 2048 --batch 4 --hidden 2048 --heads 16 --dtype bf16
+run_logged() {  # run_logged LOG LIMIT_S COMMAND...: append the command and its output to LOG
+  local log="$1" limit="$2"
+  shift 2
+  echo "+ $*" >> "$log"
+  timeout -k 10 "$limit" "$@" >> "$log" 2>&1
+  local rc=$?
+  echo "+ exit $rc" >> "$log"
+  return $rc
+}
 
+step_bench_mlp() {
+  local log="$OUT/bench_mlp.log" start=$SECONDS
+  run_logged "$log" 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
+    scripts/benchmark_mlp_cuda.py --hidden 4096,8192 --tokens 8192 --iters 20
+  note bench_mlp $? $start "$log" "^\||^hidden|MISMATCH|Error"
+}
+
+TESTS_PID=""
+step_tests() {  # starts the suite in the background; finish_tests waits for it
+  local log="$OUT/tests_cuda.log" parallel=()
+  if "$PY" -c "import xdist" 2>/dev/null; then
+    parallel=(-n "${GPU_CHECK_TESTS_WORKERS:-8}")
+  fi
+  TESTS_START=$SECONDS
+  (
+    # shellcheck disable=SC2086
+    MEGATRON_CORE_TEST_DEVICE=cuda run_logged "$log" "$TESTS_LIMIT_S" "$PY" -m pytest $TESTS -q \
+      -v --tb=short -rfEs -p megatron_core.megatron.pytest_plugin --timeout=240 "${parallel[@]}"
+  ) &
+  TESTS_PID=$!
+}
+
+finish_tests() {
+  [ -n "$TESTS_PID" ] || return 0
+  wait "$TESTS_PID"
+  note tests $? "$TESTS_START" "$OUT/tests_cuda.log" \
+    "[0-9]+ passed|[0-9]+ failed|^FAILED|^ERROR|^SKIPPED|Timeout|^\+ exit"
+  TESTS_PID=""
+}
+
+step_checks() {
+  local log="$OUT/checks.log" start=$SECONDS rc=0 f
+  for f in check_tensor_parallel_cuda check_pipeline_cuda check_parallel_state_nccl; do
+    run_logged "$log" 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
+      "scripts/$f.py" || rc=1
+  done
+  note checks $rc $start "$log" "^world|OK|FAIL|mismatch|Error|^\+ exit"
+}
+
+step_train() {
+  local log="$OUT/train.log" start=$SECONDS rc=0 ck=/tmp/gpu_check_ckpt
+  rm -rf "$ck"
+  local common=(--device cuda --bf16 --tensor-model-parallel-size 1 --log-interval 50)
+  run_logged "$log" 200 "$PY" scripts/train_gpt.py "${common[@]}" --train-iters 300 \
+    --save "$ck/straight" --save-interval 150 || rc=1
+  run_logged "$log" 200 "$PY" scripts/train_gpt.py "${common[@]}" --train-iters 300 \
+    --load "$ck/straight" --ckpt-step 150 --save "$ck/resumed" --save-interval 150 || rc=1
+  run_logged "$log" 120 "$PY" - "$ck/straight/iter_0000300" "$ck/resumed/iter_0000300" <<'PY' || rc=1
+import sys, tempfile, os
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+def flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from flat(v, f"{prefix}{k}.")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from flat(v, f"{prefix}{i}.")
+    else:
+        yield prefix.rstrip("."), tree
+
+states = []
+for d in sys.argv[1:]:
+    out = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+    dcp_to_torch_save(d, out)
+    states.append(dict(flat(torch.load(out, weights_only=False))))
+a, b = states
+tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
+differ = [k for k in tensors if not torch.equal(a[k], b.get(k))]
+print(f"resume: {len(tensors)} tensors in the iteration-300 checkpoints, {len(differ)} differ",
+      "(bitwise equal)" if not differ and a.keys() == b.keys() else differ[:10])
+sys.exit(1 if differ or a.keys() != b.keys() else 0)
+PY
+  run_logged "$log" 200 "$PY" scripts/train_gpt.py --device cpu --bf16 --nproc-per-node 2 \
+    --tensor-model-parallel-size 2 --load "$ck/straight" --train-iters 320 --log-interval 10 \
+    || rc=1
+  note train $rc $start "$log" "^train_gpt|^iteration|^done|^resume|loaded|Error|error|^\+ exit"
+}
+
+step_drift() {
+  local log="$OUT/drift.log" start=$SECONDS
+  run_logged "$log" 200 "$PY" scripts/precision_drift.py --device cuda --tp 1
+  note drift $? $start "$log" "^\||iterations|Error|error"
+}
+
+for s in $STEPS; do
+  "step_$s"
+done
+finish_tests
+echo "== done in $SECONDS s" >> "$SUMMARY"
 cat "$SUMMARY"

@@ -130,7 +130,7 @@ def _main_params(optimizer, model, dp_group) -> dict[str, torch.Tensor]:
             for params, shards in pairs:
                 for param, shard in zip(params, shards):
                     where = inner._get_model_param_range_map(param)["param"]
-                    flat = torch.zeros(param.numel(), dtype=torch.float32)
+                    flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
                     flat[where.start : where.end] = shard.detach().view(-1)
                     whole[id(param)] = flat.view(param.shape)
         else:
@@ -140,7 +140,8 @@ def _main_params(optimizer, model, dp_group) -> dict[str, torch.Tensor]:
     found = {}
     for name, param in model.named_parameters():
         if sharded:
-            part = whole.get(id(param), torch.zeros(param.shape, dtype=torch.float32))
+            zeros = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+            part = whole.get(id(param), zeros)
             torch.distributed.all_reduce(part, group=dp_group)
             found[name] = part
         elif id(param) in whole:
@@ -198,7 +199,7 @@ def train_ddp(ddp_run: DDPRun, full: dict[str, torch.Tensor]) -> dict:
         )
         loss = torch.stack([r["loss"] for r in reports]).mean()
         torch.distributed.all_reduce(loss, group=dp_group)
-        losses.append(loss / parallel_state.get_data_parallel_world_size())
+        losses.append((loss / parallel_state.get_data_parallel_world_size()).cpu())
         if ddp_run.distributed_optimizer:
             _gather_reduced_shards(ddp, dp_group)
         grads.append({n: full_tensor(p, p.main_grad) for n, p in model.named_parameters()})

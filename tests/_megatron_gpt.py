@@ -15,6 +15,7 @@ import unittest.mock
 import torch
 import torch.distributed as dist
 
+from megatron_core import device
 from megatron_core import megatron as switch
 
 VOCAB, SEQ, BATCH, HIDDEN, HEADS, LAYERS = 64, 8, 2, 16, 4, 2
@@ -114,7 +115,7 @@ def build_model(run: Run, pre_process: bool = True, post_process: bool = True):
     """megatron-core's own GPTModel (local spec) for ``run`` on this rank."""
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(
+    model = GPTModel(
         config=config_of(run),
         transformer_layer_spec=_layer_spec(run),
         vocab_size=VOCAB,
@@ -122,6 +123,7 @@ def build_model(run: Run, pre_process: bool = True, post_process: bool = True):
         pre_process=pre_process,
         post_process=post_process,
     )
+    return model.to(device.current_device())  # a GPU user's model.cuda(); a no-op on CPU
 
 
 def causal_mask() -> torch.Tensor:
@@ -132,11 +134,11 @@ def causal_mask() -> torch.Tensor:
 def batch(step: int, microbatch: int = 0) -> dict[str, torch.Tensor]:
     """The same tokens on every rank for (step, microbatch)."""
     gen = torch.Generator().manual_seed(1000 * step + microbatch)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen).to(device.current_device())
     return {
         "input_ids": tokens[:, :-1],
         "labels": tokens[:, 1:],
-        "position_ids": torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ),
+        "position_ids": torch.arange(SEQ, device=tokens.device).unsqueeze(0).expand(BATCH, SEQ),
         # None: megatron-core makes the causal mask itself (with device="cuda", which the CPU
         # mode reads as the CPU; tests/test_megatron_cpu_mode_gpt.py checks it is the explicit one).
         "attention_mask": None,
@@ -157,17 +159,18 @@ def initialize(run: Run) -> None:
 
 
 def full_tensor(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (the param's value or grad) gathered over the TP group where it is sharded."""
+    """``tensor`` (the param's value or grad) gathered over the TP group where it is sharded,
+    as a CPU tensor (results travel to the test process and meet CPU references there)."""
     from megatron.core import parallel_state
 
     if not getattr(param, "tensor_model_parallel", False):
-        return tensor.detach().clone()
+        return tensor.detach().cpu().clone()
     group = parallel_state.get_tensor_model_parallel_group()
     if getattr(param, "allreduce", True) is False:  # expert weights: expert-TP group
         group = parallel_state.get_expert_tensor_parallel_group()
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=param.partition_dim)
+    return torch.cat(parts, dim=param.partition_dim).cpu()
 
 
 def load_full(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
@@ -262,11 +265,11 @@ def train(run: Run, full: dict[str, torch.Tensor] | None) -> dict:
                 forward_only=False,
             )
         if reports:
-            losses.append(torch.stack([r["loss"] for r in reports]).mean())
+            losses.append(torch.stack([r["loss"] for r in reports]).mean().cpu())
         grads.append({names[n]: full_tensor(p, p.grad) for n, p in model.named_parameters()})
         optimizer.step()
     params = {names[n]: full_tensor(p, p) for n, p in model.named_parameters()}
-    params.update({names[n]: b.clone() for n, b in model.named_buffers() if "expert_bias" in n})
+    params.update({names[n]: b.cpu() for n, b in model.named_buffers() if "expert_bias" in n})
     return {
         "losses": losses,
         "grads": grads,
@@ -279,7 +282,7 @@ def initial_state(run: Run) -> dict[str, torch.Tensor]:
     """The unsharded initial parameters of ``run``'s model at tp = pp = 1 (one rank)."""
     initialize(dataclasses.replace(run, tp=1, pp=1, ep=1, sp=False))
     model = build_model(dataclasses.replace(run, tp=1, pp=1, ep=1, sp=False))
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
 def save_checkpoint(run: Run, full: dict[str, torch.Tensor], directory: str) -> dict:

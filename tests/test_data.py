@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_core import device
 from megatron_core import parallel_state as ps
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import broadcast_data
@@ -38,8 +39,8 @@ def _check_values(dtype):
     out = broadcast_data(KEYS, data, dtype)
     assert list(out) == KEYS
     for key in KEYS:
-        assert out[key].dtype == dtype and out[key].device == torch.device("cpu")
-        torch.testing.assert_close(out[key], expected[key], rtol=0, atol=0)  # a copy: exact
+        assert out[key].dtype == dtype and out[key].device == device.current_device()
+        torch.testing.assert_close(out[key].cpu(), expected[key], rtol=0, atol=0)  # exact copy
 
 
 def _check_errors():
@@ -83,7 +84,7 @@ def _body(tp_sizes):
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     data = {"x": torch.arange(4) * (dist.get_rank() + 1)}
     out = broadcast_data(["x"], data, torch.int64, group=dist.group.WORLD)
-    torch.testing.assert_close(out["x"], torch.arange(4))
+    torch.testing.assert_close(out["x"].cpu(), torch.arange(4))
     return True
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_core import deepspeed_checkpointing as ds
-from megatron_core import parallel_state
+from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import (
     copy_to_tensor_model_parallel_region,
@@ -255,9 +255,11 @@ def _body_memory() -> dict:
     # model_parallel_reconfigure_tp_seed: the model-parallel stream restarts at seed + 2718 + rank.
     ds.configure(parallel_state)
     ds.model_parallel_reconfigure_tp_seed(5)
+    dev = device.current_device()  # the tracker's streams live on the device
     with ds.get_cuda_rng_tracker().fork():
-        got = torch.rand(3)
-    want = torch.rand(3, generator=torch.Generator().manual_seed(5 + 2718 + dist.get_rank()))
+        got = torch.rand(3, device=dev)
+    stream = torch.Generator(device=dev).manual_seed(5 + 2718 + dist.get_rank())
+    want = torch.rand(3, generator=stream, device=dev)
     result["reconfigured stream"] = torch.equal(got, want)
     return result
 

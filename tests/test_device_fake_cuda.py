@@ -219,13 +219,21 @@ def _world_size():
     return torch.distributed.get_world_size()
 
 
-def test_harness_cuda_mode_skips_a_world_larger_than_the_gpu_count(monkeypatch):
+def test_harness_cuda_mode_skips_without_a_gpu(monkeypatch):
     from megatron_core.testing import run_distributed
 
     monkeypatch.setenv("MEGATRON_CORE_TEST_DEVICE", "cuda")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(
-        pytest.skip.Exception, match="world size 2 needs 2 GPUs, this machine has 1"
-    ):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(pytest.skip.Exception, match="needs a GPU, this machine has none"):
         run_distributed(_world_size, 2)
+
+
+def test_harness_cuda_mode_shares_gpus_over_gloo(monkeypatch):
+    from megatron_core.testing.worker import harness_backend
+
+    monkeypatch.setenv("MEGATRON_CORE_TEST_DEVICE", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [harness_backend(n) for n in (1, 2, 4)] == ["cuda:nccl,cpu:gloo"] * 2 + ["gloo"]
+    monkeypatch.setenv("MEGATRON_CORE_TEST_DEVICE", "cpu")
+    assert harness_backend(1) == "gloo"

@@ -29,7 +29,7 @@ def _regions_obey_a_patched_group_lookup():
         alone = mappings.reduce_from_tensor_model_parallel_region(x.clone())
         gathered = mappings.gather_from_tensor_model_parallel_region(x.clone())
     with mock.patch.object(data, "get_tensor_model_parallel_group_if_none", own_group):
-        received = data.broadcast_data(["ids"], {"ids": x.long()}, torch.int64)["ids"]
+        received = data.broadcast_data(["ids"], {"ids": x.long()}, torch.int64)["ids"].cpu()
     return summed, alone, gathered, received, calls
 
 

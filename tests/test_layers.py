@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_core import device
 from megatron_core import parallel_state as ps
 from megatron_core.errors import MegatronCoreError
 from megatron_core.model_parallel_config import ModelParallelConfig
@@ -350,13 +351,13 @@ def check_cpu_init(report, world_size):
 def check_device_init(report, tp, rank):
     """No CPU init: each rank draws its shard in the "model-parallel-rng" stream."""
     model_parallel_cuda_manual_seed(SEED)
-    before = torch.get_rng_state()
+    before = device.device_generator().get_state()  # the device's default stream
     cfg = ModelParallelConfig(tensor_model_parallel_size=tp)
     layer = ColumnParallelLinear(HIDDEN, FFN, config=cfg, init_method=init_method)
-    report.close("default stream untouched", torch.get_rng_state(), before, EXACT)
+    report.close("default stream untouched", device.device_generator().get_state(), before, EXACT)
     model_parallel_cuda_manual_seed(SEED)
     with get_cuda_rng_tracker().fork():
-        expected = init_method(torch.empty(FFN // tp, HIDDEN))
+        expected = init_method(torch.empty(FFN // tp, HIDDEN, device=device.current_device()))
     report.close("drawn in the fork", layer.weight, expected, EXACT)
     shards = gather_along(layer.weight.detach(), 0, ps.get_tensor_model_parallel_group())
     shards = shards.chunk(tp)

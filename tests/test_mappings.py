@@ -261,7 +261,8 @@ def _half_sums(dtype_name):
         mine, kept = x.to(dtype_), x.to(dtype_).clone()
         total = _collectives.all_reduce_async(mine, group, owned=True).wait()
         torch.testing.assert_close(total, exact_sum.to(dtype_), **exact)
-        assert (total is mine) == (dtype_ == torch.float32)
+        upcast = dtype_ != torch.float32 and _collectives.backend_for(mine, group) == "gloo"
+        assert (total is mine) == (not upcast)
         _collectives.all_reduce_async(kept, group).wait()  # not owned: never written
         torch.testing.assert_close(kept, x.to(dtype_), **exact)
     return True
@@ -276,3 +277,14 @@ def test_half_precision_sums_are_exactly_rounded(world_size, dtype_name):
 def test_default_group_needs_parallel_state():
     with pytest.raises(MegatronCoreError, match="initialize_model_parallel"):
         tp_api.copy_to_tensor_model_parallel_region(torch.ones(2))
+
+
+def test_half_sums_upcast_where_gloo_carries_the_tensor(monkeypatch):
+    # A per-device map (the CUDA harness's cuda:nccl,cpu:gloo) carries CPU tensors over gloo.
+    half = torch.ones(2, dtype=torch.bfloat16)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cuda:nccl,cpu:gloo")
+    assert _collectives.backend_for(half, None) == "gloo"
+    assert _collectives._sum_dtype(half, None) == torch.float32
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert _collectives._sum_dtype(half, None) == torch.bfloat16
+    assert _collectives._sum_dtype(half.float(), None) == torch.float32

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_core import device
 from megatron_core import parallel_state as ps
 from megatron_core.errors import MegatronCoreError
 from megatron_core.parallel_state import create as _parallel_setup
@@ -597,7 +598,7 @@ def _body_expert_rng(etp):
     ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(123)
     with tensor_parallel.get_cuda_rng_tracker().fork("expert-parallel-rng"):
-        draw = torch.rand(4)
+        draw = torch.rand(4, device=device.current_device()).cpu()  # the stream's device
     report = tensor_parallel.audit_rng_streams(raise_on_violation=True)
     return draw, ps.get_expert_tensor_parallel_rank(), report.ok
 

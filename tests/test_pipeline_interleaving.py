@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from megatron_core import parallel_state
+from megatron_core import device, parallel_state
 from megatron_core.megatron import megatron_core_version
 from megatron_core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron_core.testing import run_distributed
@@ -37,16 +37,17 @@ def _data(m: int, step: int, variable: bool):
         out.append(
             (
                 i,
-                torch.randn(s, BATCH, HIDDEN, generator=g),
-                torch.randn(s, BATCH, HIDDEN, generator=g),
+                torch.randn(s, BATCH, HIDDEN, generator=g).to(device.current_device()),
+                torch.randn(s, BATCH, HIDDEN, generator=g).to(device.current_device()),
             )
         )
     return out
 
 
 def _stack():
+    """The layers, drawn on the CPU, on this process's device (the schedules receive there)."""
     torch.manual_seed(7)
-    return [torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS)]
+    return [torch.nn.Linear(HIDDEN, HIDDEN).to(device.current_device()) for _ in range(LAYERS)]
 
 
 class _Mark(torch.autograd.Function):
@@ -164,14 +165,17 @@ def _run(case):
             micro_batch_size=BATCH,
             forward_only=forward_only,
         )
-        losses.append([d["loss"] for d in out])
+        losses.append([d["loss"].cpu() for d in out])
         events = events or list(EVENTS)
         if step < STEPS - 1 and not forward_only:
             with torch.no_grad():
                 for p in (p for layer in owned.values() for p in layer.parameters()):
                     p -= LR * p.grad
+    def cpu(t):  # results meet CPU references in the test process
+        return None if t is None else t.detach().cpu()
+
     grads = {
-        i: (layer.weight.grad, layer.bias.grad, layer.weight.detach(), layer.bias.detach())
+        i: tuple(map(cpu, (layer.weight.grad, layer.bias.grad, layer.weight, layer.bias)))
         for i, layer in owned.items()
     }
     return losses, grads, events

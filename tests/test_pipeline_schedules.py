@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_core import parallel_state
+from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.pipeline_parallel import (
     P2PCommunicator,
@@ -43,17 +43,20 @@ def _config(**options):
 
 
 def _full_stack(seed: int = 1234) -> list[torch.nn.Linear]:
+    """The layers, drawn on the CPU, on this process's device (the schedules receive there)."""
     torch.manual_seed(seed)
-    return [torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS)]
+    layers = [torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS)]
+    return [layer.to(device.current_device()) for layer in layers]
 
 
 def _data(m: int, seed: int = 99):
     g = torch.Generator().manual_seed(seed)
+    dev = device.current_device()
     return [
         (
             i,
-            torch.randn(SEQ, BATCH, HIDDEN, generator=g),
-            torch.randn(SEQ, BATCH, HIDDEN, generator=g),
+            torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dev),
+            torch.randn(SEQ, BATCH, HIDDEN, generator=g).to(dev),
         )
         for i in range(m)
     ]
@@ -155,8 +158,8 @@ def _run_config(pp, vp, m, batch_p2p, deallocate, forward_only=False, use_pgc=Fa
             start = (c * pp + rank) * per
             for j, layer in enumerate(chunk.layers):
                 if layer.weight.grad is not None:
-                    grads[start + j] = (layer.weight.grad.clone(), layer.bias.grad.clone())
-        return [d["loss"] for d in losses], grads, list(EVENTS)
+                    grads[start + j] = (layer.weight.grad.cpu(), layer.bias.grad.cpu())
+        return [d["loss"].cpu() for d in losses], grads, list(EVENTS)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -436,7 +439,8 @@ def test_ring_exchange_both_directions(world_size, batch_p2p):
 def _one_microbatch_bytes(chunk, x, target) -> int:
     """Saved bytes of one microbatch's forward (and loss, on the last stage) through ``chunk``."""
     if not chunk.pre_process:
-        chunk.set_input_tensor([torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)])
+        received = torch.randn(SEQ, BATCH, HIDDEN, device=x.device, requires_grad=True)
+        chunk.set_input_tensor([received])
     with count_saved_activations(ignore=chunk.parameters()) as report:
         out = chunk(x)
         if chunk.post_process:
@@ -528,3 +532,29 @@ def _finalize(pp, tokens_by_rank):
 def test_finalize_model_grads_dp_and_num_tokens(world_size, pp, tokens, expected):
     # NOTE [ Gradient finalization ], rules 2 and 4 (grads are small integers: exact).
     assert run_distributed(_finalize, world_size, pp, tokens, timeout=60) == expected
+
+
+def test_gloo_p2p_stages_device_tensors_through_host_memory(monkeypatch):
+    # NOTE [ P2P matching ], rule 6. A device tensor is stood in for by a meta tensor here (this
+    # machine may have no GPU): its receive gets a CPU buffer; CPU tensors go on the wire as is.
+    from megatron_core.pipeline_parallel import _p2p_ops
+
+    monkeypatch.setattr(_p2p_ops.dist, "get_backend", lambda group=None: "gloo")
+    on_device = torch.empty(2, 3, dtype=torch.bfloat16, device="meta")
+    on_host = torch.ones(4)
+    names = ["send_next", "recv_prev"]
+    wire = _p2p_ops._host_staged({"send_next": on_host, "recv_prev": on_device}, names, None)
+    assert wire["send_next"] is on_host
+    staged = wire["recv_prev"]
+    assert (staged.device.type, staged.shape, staged.dtype) == ("cpu", (2, 3), torch.bfloat16)
+    monkeypatch.setattr(_p2p_ops.dist, "get_backend", lambda group=None: "cuda:nccl,cpu:gloo")
+    wire = _p2p_ops._host_staged({"send_next": on_host, "recv_prev": on_device}, names, None)
+    assert wire["recv_prev"] is on_device  # NCCL carries device tensors itself
+
+    class _Done:
+        def wait(self, timeout=None):
+            return True
+
+    target, arrived = torch.zeros(3, requires_grad=True), torch.arange(3.0)  # a received leaf
+    _p2p_ops.Request(_Done(), "recv from prev rank 0", None, target, staged=arrived).wait()
+    assert torch.equal(target.detach(), arrived)  # the staged receive lands in the tensor

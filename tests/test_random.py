@@ -344,12 +344,12 @@ def _body_masks(configs):
     for tp, ep in configs:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
         tracker = seeded()
-        ones = torch.ones(256)
+        ones = torch.ones(256, device=device.current_device())  # the tracker's streams' device
         with tracker.fork():
-            inside = F.dropout(ones, 0.5)
+            inside = F.dropout(ones, 0.5).cpu()
         with tracker.fork(EP):
-            expert = F.dropout(ones, 0.5)
-        outside = F.dropout(ones, 0.5)
+            expert = F.dropout(ones, 0.5).cpu()
+        outside = F.dropout(ones, 0.5).cpu()
         before = tp_random.get_rng_snapshot()
         report = rng_state.audit_rng_streams()
         after = tp_random.get_rng_snapshot()

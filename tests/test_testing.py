@@ -17,6 +17,7 @@ from megatron_core.testing import (
     run_distributed,
 )
 from megatron_core.testing.pools import _worker_pids
+from megatron_core.testing.worker import harness_backend, harness_device_type
 
 
 def _rank_world_and_sum(offset, scale=1.0):
@@ -58,10 +59,10 @@ def test_every_call_starts_from_the_same_state_and_reuses_the_workers():
         assert a["pid"] == b["pid"]  # the warm pool served both calls
         assert a["env"] == (str(rank), "2", str(rank))
         assert (a["backend"], a["threads"], a["parallel_state"], a["device"]) == (
-            "gloo",
+            harness_backend(2),
             1,
             False,
-            "cpu",
+            harness_device_type(),
         )
         assert {k: v for k, v in a.items() if k != "random"} == {
             k: v for k, v in b.items() if k != "random"

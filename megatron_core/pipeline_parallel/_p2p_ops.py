@@ -23,8 +23,11 @@ class Request:
     """One posted operation: ``wait()`` waits (once), bounded by the timeout, and keeps the
     tensor alive until then (a sent output may be deallocated by the schedule meanwhile)."""
 
-    def __init__(self, work, peer: str, timeout: datetime.timedelta | None, tensor=None):
+    def __init__(
+        self, work, peer: str, timeout: datetime.timedelta | None, tensor=None, staged=None
+    ):
         self.work, self.peer, self.timeout, self.tensor = work, peer, timeout, tensor
+        self.staged = staged  # a receive's host buffer, copied into ``tensor`` once done
 
     def wait(self) -> None:
         """Wait for the operation; raise MegatronCoreError naming the peer on failure."""
@@ -34,13 +37,17 @@ class Request:
         try:
             ok = work.wait() if self.timeout is None else work.wait(self.timeout)
         except RuntimeError as error:
+            self.tensor = self.staged = None
             raise MegatronCoreError(
                 f"pipeline p2p: {self.peer} failed or timed out (timeout {self.timeout}): {error}"
             ) from error
-        finally:
-            self.tensor = None
         if ok is False:
+            self.tensor = self.staged = None
             raise MegatronCoreError(f"pipeline p2p: {self.peer} did not complete")
+        if self.staged is not None:
+            with torch.no_grad():  # the receive buffer is a leaf that requires grad
+                self.tensor.copy_(self.staged)
+        self.tensor = self.staged = None
 
 
 def wait_all(requests: dict[str, Request]) -> None:
@@ -72,16 +79,37 @@ def post(
     names = [name for name in order if tensors.get(name) is not None]
     peers = {n: next_rank if n.endswith("next") else prev_rank for n in names}
     ops = {n: dist.isend if n.startswith("send") else dist.irecv for n in names}
+    wire = _host_staged(tensors, names, group)
     if batched and names:
         works = dist.batch_isend_irecv(
-            [dist.P2POp(ops[n], tensors[n], peers[n], group, tags[n]) for n in names]
+            [dist.P2POp(ops[n], wire[n], peers[n], group, tags[n]) for n in names]
         )
     else:
-        works = [ops[n](tensors[n], peers[n], group=group, tag=tags[n]) for n in names]
+        works = [ops[n](wire[n], peers[n], group=group, tag=tags[n]) for n in names]
     return {
-        n: Request(w, _describe(n, next_rank, prev_rank), timeout, tensors[n])
+        n: Request(
+            w,
+            _describe(n, next_rank, prev_rank),
+            timeout,
+            tensors[n],
+            staged=wire[n] if n.startswith("recv") and wire[n] is not tensors[n] else None,
+        )
         for n, w in zip(names, works)
     }
+
+
+def _host_staged(tensors, names, group) -> dict[str, torch.Tensor]:
+    """The tensors that go on the wire (NOTE [ P2P matching ], rule 6): on a gloo group a device
+    tensor becomes a CPU copy (sends) or a CPU buffer of its shape and dtype (receives)."""
+    wire = {n: tensors[n] for n in names}
+    if not names or dist.get_backend(group) != "gloo":
+        return wire
+    for n in names:
+        t = tensors[n]
+        if t.device.type == "cpu":
+            continue
+        wire[n] = t.detach().cpu() if n.startswith("send") else torch.empty_like(t, device="cpu")
+    return wire
 
 
 def exchange_shapes(send_next, send_prev, recv_prev: bool, recv_next: bool, **post_args):

@@ -25,6 +25,11 @@ pipeline group: the ranks of the group form a ring, so the last stage's "next" i
 5. ``variable_seq_lengths``: before the tensors, each call exchanges their shapes (3 int64, tags
    2 and 3) with the same peers and waits, then allocates the receive buffers at the received
    shapes. The overlapped schedule still overlaps the tensors themselves.
+6. A gloo group moves device (CUDA) tensors through host memory: gloo's send and receive take
+   the tensor's pointer as a host address (the transfer fails with "Bad address"), so a device
+   tensor is sent as a CPU copy and received into a CPU buffer that ``wait`` copies into the
+   device tensor. NCCL and the per-device ``cuda:nccl,cpu:gloo`` map move device tensors as
+   they are.
 """
 
 from __future__ import annotations

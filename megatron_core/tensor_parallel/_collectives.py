@@ -62,9 +62,19 @@ def size_rank(group: dist.ProcessGroup) -> tuple[int, int]:
     return dist.get_world_size(group), rank
 
 
+def backend_for(tensor: torch.Tensor, group: dist.ProcessGroup) -> str:
+    """The backend that carries ``tensor`` over ``group``: the group's backend, or for a
+    per-device map such as ``cuda:nccl,cpu:gloo`` the entry of the tensor's device type."""
+    backend = str(dist.get_backend(group))
+    if ":" not in backend:
+        return backend
+    entries = dict(entry.split(":", 1) for entry in backend.split(",") if ":" in entry)
+    return entries.get(tensor.device.type, backend)
+
+
 def _sum_dtype(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.dtype:
     """The dtype a sum over ``group`` runs in (NOTE [ Half-precision sums ])."""
-    if tensor.dtype in _HALF and dist.get_backend(group) in _UPCAST_SUM_BACKENDS:
+    if tensor.dtype in _HALF and backend_for(tensor, group) in _UPCAST_SUM_BACKENDS:
         return torch.float32
     return tensor.dtype
 

@@ -14,7 +14,7 @@ from megatron_core.testing.pools import (
     RankFailure,
     shutdown_pools,
 )
-from megatron_core.testing.worker import RESET_SEED
+from megatron_core.testing.worker import RESET_SEED, shares_gpus
 
 __all__ = [
     # harness.py
@@ -29,4 +29,5 @@ __all__ = [
     "START_METHOD_ENV",
     # worker.py
     "RESET_SEED",
+    "shares_gpus",
 ]

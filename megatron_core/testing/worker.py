@@ -57,6 +57,23 @@ def _worker_main(rank: int, world_size: int, init_method: str, conn) -> None:
         dist.destroy_process_group()
 
 
+def harness_backend(world_size: int) -> str:
+    """The default group's backend for a harness world of ``world_size`` ranks (harness rule 7):
+    ``cuda:nccl,cpu:gloo`` in CUDA mode when every rank has a GPU of its own, else ``gloo``."""
+    from megatron_core import device
+
+    if harness_device_type() == "cuda" and world_size <= device.accelerator_count():
+        return "cuda:nccl,cpu:gloo"
+    return "gloo"
+
+
+def shares_gpus(world_size: int) -> bool:
+    """True in CUDA mode when a world of ``world_size`` ranks shares GPUs, so that every
+    collective, CUDA tensors included, runs over gloo (harness rule 7). A test whose code needs a
+    collective gloo lacks for CUDA tensors (coalesced all-reduce, say) skips on this."""
+    return harness_device_type() == "cuda" and harness_backend(world_size) == "gloo"
+
+
 def _exit_when_orphaned() -> None:
     parent = multiprocessing.parent_process()  # the caller, also under forkserver
     if parent is not None:
@@ -73,10 +90,12 @@ def _init_worker(rank: int, world_size: int, init_method: str) -> None:
     from megatron_core import device
 
     torch.set_num_threads(1)
-    # cuda mode: one GPU per rank, and CPU tensors still go through gloo; cpu: plain gloo.
+    # cuda mode: GPU rank % count; CUDA tensors over NCCL and CPU tensors over gloo while every
+    # rank has a GPU of its own, everything over gloo when ranks share GPUs (NCCL refuses two
+    # ranks on one device); cpu: plain gloo. Rule 7 of the harness's module doc.
     device.set_device_type(harness_device_type())
     device.set_current_device(rank)
-    backend = device.mixed_backend()
+    backend = harness_backend(world_size)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     error = _reset_process_state()
     if error is not None:
