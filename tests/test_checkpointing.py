@@ -244,11 +244,12 @@ def _body_saved_inputs() -> list[str]:
     # name -> (distribute, checkpoint kwargs, bytes kept, caller's storage kept alive)
     cases = {
         "reentrant": (False, {}, full, True),  # the control: the whole input is kept
-        "reentrant, distributed": (True, {}, chunk, False),
+        # over one rank nothing is split: the input is kept as given (rule 3), not copied
+        "reentrant, distributed": (True, {}, chunk, tp == 1),
         "reentrant, offloaded": (False, {"offload_to_cpu": True}, full, False),
         "reentrant, offloaded + distributed": (True, {"offload_to_cpu": True}, chunk, False),
         "non-reentrant": (False, nr, full, True),
-        "non-reentrant, distributed": (True, nr, chunk, False),
+        "non-reentrant, distributed": (True, nr, chunk, tp == 1),
         "non-reentrant, offloaded + distributed": (
             True,
             {**nr, "offload_to_cpu": True},

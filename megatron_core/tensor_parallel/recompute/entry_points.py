@@ -37,7 +37,8 @@ autocast replay, checksums), nonreentrant.py, without_output.py.
    agrees its shape, dtype and a checksum across the TP group (check mode, and the default
    window of megatron_core.consistency): an input that differs raises on every rank, naming the
    checkpoint's input. With ``check_determinism`` the gathered input is compared with this
-   rank's forward input.
+   rank's forward input. Over a one-rank TP group nothing is split: the input is kept as given
+   (its one chunk would be a full copy, 2x the input's memory where the caller still holds it).
 4. Offload (``offload_to_cpu=True``). Every kept input (its chunk when distributed: split first)
    is copied to the CPU in forward and back to its device before the gather in backward.
 5. Non-reentrant (``use_reentrant=False``). The function runs once with grad, under

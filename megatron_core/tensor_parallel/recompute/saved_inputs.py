@@ -249,15 +249,17 @@ def _check_gathered(slot: _Slot, gathered: torch.Tensor, group: dist.ProcessGrou
 
 
 def _split_indices(leaves: Sequence[Any], options: CheckpointOptions) -> set[int]:
-    """Positions of the inputs to keep as 1-D chunks (rule 3)."""
+    """Positions of the inputs to keep as 1-D chunks (rule 3); none over a one-rank group."""
     if options.distribute is None:
         return set()
-    if options.distribute is Distribute.FIRST:
-        return {0}
     if options.tp_group is None:
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
     else:
         tp_size = dist.get_world_size(options.tp_group)
+    if tp_size == 1:  # the one chunk would be a copy of the whole input
+        return set()
+    if options.distribute is Distribute.FIRST:
+        return {0}
     least = 0 if options.distribute is Distribute.EVERY else tp_size
     return {
         i

@@ -1,0 +1,37 @@
+"""scripts/gpu_check.sh and its benchmark still start on a machine without a GPU (issue 38): the
+script's --dry-run finds and compiles every step's script, and the MLP benchmark's checks (each
+mode against ours, ours against torch's nn.Linear) pass on one CPU rank at tiny sizes."""
+
+import os
+import subprocess
+import sys
+
+from megatron_core.testing import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_dry_run_finds_every_step_and_refuses_an_unknown_one():
+    env = dict(os.environ, PYTHON=sys.executable)
+    script = os.path.join(ROOT, "scripts", "gpu_check.sh")
+    done = subprocess.run(
+        ["bash", script, "--dry-run"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "steps bench_mlp tests checks train drift" in done.stdout
+    bad = subprocess.run(
+        ["bash", script, "--dry-run", "nosuchstep"], env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "unknown step 'nosuchstep'" in bad.stderr
+
+
+def _benchmark_on_cpu():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import benchmark_mlp_cuda
+
+    argv = ["--device", "cpu", "--hidden", "16", "--tokens", "8", "--iters", "1", "--gemm", "8"]
+    return benchmark_mlp_cuda.main(argv)
+
+
+def test_mlp_benchmark_verifies_its_modes_on_cpu():
+    assert run_distributed(_benchmark_on_cpu, 1, timeout=120) == [0]
