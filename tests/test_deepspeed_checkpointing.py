@@ -9,6 +9,7 @@ all-reduce sums the partial products in another order than one full matmul does.
 """
 
 import json
+import logging
 
 import pytest
 import torch
@@ -428,3 +429,24 @@ def _body_against_deepspeed() -> list[str]:
 def test_bitwise_equal_to_deepspeed_itself(world_size):
     for rank, problems in enumerate(run_distributed(_body_against_deepspeed, world_size)):
         assert problems == [], f"rank {rank}: {problems}"
+
+
+def test_partition_switch_and_detach_variable(restore_globals, caplog):
+    # DeepSpeed 0.19.8's public names beyond configure/checkpoint: the partition switch and
+    # detach_variable (its other public functions are helpers of its own implementation).
+    with caplog.at_level(logging.INFO, logger="megatron_core.deepspeed_checkpointing"):
+        ds.partition_activations_in_checkpoint(True)
+    assert ds.PARTITION_ACTIVATIONS is True and "partition activations" in caplog.text
+    ds.partition_activations_in_checkpoint(False)
+    assert ds.PARTITION_ACTIVATIONS is False
+    with pytest.raises(MegatronCoreError, match="partition_activation \\(1\\) must be a bool"):
+        ds.partition_activations_in_checkpoint(1)
+    x = torch.ones(2, requires_grad=True) * 2.0
+    ids = torch.arange(3)
+    out = ds.detach_variable((x, ids, "text"))
+    assert out[0].is_leaf and out[0].requires_grad and torch.equal(out[0], x)
+    assert out[1] is not ids and torch.equal(out[1], ids) and not out[1].requires_grad
+    assert out[2] == "text"
+    assert ds.detach_variable((x,), device="cpu")[0].device.type == "cpu"
+    with pytest.raises(MegatronCoreError, match="inputs must be a tuple, got list"):
+        ds.detach_variable([x])

@@ -2,7 +2,9 @@
 
 import os
 import pickle
+import sys
 import time
+import types
 
 import pytest
 import torch
@@ -288,3 +290,16 @@ def _is_alive(pid):
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def _import_megatron_unswitched():
+    # What `import megatron.core.parallel_state` without the switch leaves behind: megatron-core's
+    # own module under the claimed name (a stand-in here, so megatron-core need not be installed).
+    sys.modules["megatron.core.parallel_state"] = types.ModuleType("megatron.core.parallel_state")
+    return os.getpid()
+
+
+def test_a_worker_that_imported_megatron_unswitched_is_not_reused():
+    with pytest.warns(RuntimeWarning, match="megatron-core's own megatron.core.parallel_state"):
+        (tainted,) = run_distributed(_import_megatron_unswitched, 1)
+    assert run_distributed(os.getpid, 1) != [tainted]

@@ -37,6 +37,7 @@ buffers).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -83,7 +84,11 @@ __all__ = [
     "model_parallel_reconfigure_tp_seed",
     "CudaRNGStatesTracker",
     "CheckpointFunction",
+    "partition_activations_in_checkpoint",
+    "detach_variable",
 ]
+
+_LOG = logging.getLogger(__name__)
 
 # DeepSpeed's module globals (NOTE [ DeepSpeed checkpointing ], rule 1).
 deepspeed_checkpointing_enabled = False
@@ -168,6 +173,41 @@ def set_num_layers(nlayers: int) -> None:
         raise MegatronCoreError(f"set_num_layers: nlayers ({nlayers!r}) must be a positive int")
     num_layers = nlayers
     _BUFFERS.free()
+
+
+def partition_activations_in_checkpoint(partition_activation: bool) -> None:
+    """Turn partitioning of the saved arguments on or off (DeepSpeed's function of this name:
+    sets ``PARTITION_ACTIVATIONS``, which later checkpoints read, and logs the value on global
+    rank 0). Touches no tensor and no group."""
+    global PARTITION_ACTIVATIONS
+    if not isinstance(partition_activation, bool):
+        raise MegatronCoreError(
+            f"partition_activations_in_checkpoint: partition_activation ({partition_activation!r}) "
+            "must be a bool"
+        )
+    PARTITION_ACTIVATIONS = partition_activation
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _LOG.info("partition activations in checkpoint: %s", partition_activation)
+
+
+def detach_variable(inputs: tuple, device: torch.device | str | None = None) -> tuple:
+    """DeepSpeed's ``detach_variable``: each tensor of the tuple ``inputs`` detached (moved to
+    ``device`` first when given) with its ``requires_grad`` kept; other items as they are.
+
+    Raises:
+        MegatronCoreError: ``inputs`` is not a tuple (DeepSpeed raises RuntimeError).
+    """
+    if not isinstance(inputs, tuple):
+        raise MegatronCoreError(
+            f"detach_variable: inputs must be a tuple, got {type(inputs).__name__}"
+        )
+    out = []
+    for item in inputs:
+        if torch.is_tensor(item):
+            moved = item if device is None else item.to(device=device)
+            item = moved.detach().requires_grad_(item.requires_grad)
+        out.append(item)
+    return tuple(out)
 
 
 def reset() -> None:

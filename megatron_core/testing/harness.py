@@ -41,7 +41,10 @@ How it works:
    goes first. ``MEGATRON_CORE_TEST_NO_REUSE=1`` gives every call fresh workers.
 4. Every call starts from the same state: parallel_state not initialized, device type "cpu", one
    torch thread, torch seeded with ``RESET_SEED``. After the call each rank destroys
-   parallel_state, resets the RNG tracker and re-seeds; if that reset fails the pool is discarded.
+   parallel_state, resets the RNG tracker and re-seeds; if that reset fails the pool is discarded
+   (with a warning). A worker that imported megatron-core's own ``parallel_state`` (or another
+   name the switch claims) without the switch counts as a failed reset: its ``install()`` would
+   refuse forever after, so it is not reused.
 5. Arguments and results travel as ``pickle`` bytes: tensors go by value, never through shared
    memory or file descriptors, and their storages are pickled by ``testing/pickling.py``, so a
    library that changes torch's own storage pickling (megatron-core 0.19 does at import) cannot

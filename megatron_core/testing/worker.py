@@ -179,6 +179,14 @@ def _describe(exc: BaseException) -> tuple[str, str, str, bytes | None]:
     return type_name, str(exc), text, pickled
 
 
+def _unswitched_megatron_modules() -> list[str]:
+    """Names the switch claims that this process imported from megatron-core itself."""
+    switch = sys.modules.get("megatron_core.megatron")
+    if switch is not None:
+        return switch._foreign_imports()
+    return [name for name in ("megatron.core.parallel_state",) if name in sys.modules]
+
+
 def _reset_process_state() -> str | None:
     """Undo what a task may have changed; returns the traceback text if that fails."""
     try:
@@ -198,6 +206,12 @@ def _reset_process_state() -> str | None:
         consistency.set_enabled(None)  # check mode follows the environment again
         if not dist.is_initialized():
             raise MegatronCoreError("the default process group was destroyed by the function")
+        unswitched = _unswitched_megatron_modules()
+        if unswitched:  # every later megatron_core.megatron.install() here would refuse
+            raise MegatronCoreError(
+                f"the function imported megatron-core's own {', '.join(unswitched)} without the "
+                "switch (install() first, or load megatron-core's file under a private name)"
+            )
         torch.set_num_threads(1)
         torch.set_default_dtype(torch.float32)
         torch.set_grad_enabled(True)
