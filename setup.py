@@ -15,7 +15,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.6"],  # megatron-core's own floor, no upper bound (README "Support matrix")
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2", "numpy"],  # numpy: all_gather_object
+        # numpy: all_gather_object; pytest-xdist: the suite runs on two workers (pyproject.toml)
+        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "numpy"],
         "dev": ["ruff>=0.4"],
         "plot": ["matplotlib>=3.5", "numpy"],
         # megatron-core's own model code on this core (megatron_core.megatron, the switch): 0.16.1 and
