@@ -1,5 +1,12 @@
 """Shared pytest set-up: the multi-rank harness as a fixture, and pool shutdown at session end.
 
+tests/ mirrors the package, a folder per family (parallel_state/, tensor_parallel/ with
+recompute/, pipeline_parallel/, ...); tests of the top-level modules (device, compat, errors, the
+import graph, the support matrix) sit here. The rank bodies that several folders share are helper
+modules of the folder they belong to (``_megatron_gpt`` and ``_megatron_ddp`` in megatron/,
+``_train_args`` in training/): those folders go on ``sys.path`` here, so a test anywhere imports
+them by name, and the harness hands the same path to its worker processes.
+
 The suite runs in check mode (megatron_core.consistency, issue 15): every collective first
 verifies that the ranks agree. Set before any worker starts, so every worker inherits it;
 ``MEGATRON_CORE_CHECK_CONSISTENCY=0 python -m pytest tests -q`` runs without it. Tests of the
@@ -8,6 +15,7 @@ default mode (the check window, issue 22) force it in their per-rank bodies
 """
 
 import os
+import sys
 
 import pytest
 
@@ -15,6 +23,11 @@ from megatron_core import consistency
 from megatron_core.testing import run_distributed, shutdown_pools
 
 os.environ.setdefault(consistency.CHECK_ENV, "1")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _helpers in ("megatron", "training"):
+    if os.path.join(_HERE, _helpers) not in sys.path:
+        sys.path.insert(0, os.path.join(_HERE, _helpers))
 
 
 @pytest.fixture(scope="session", autouse=True)

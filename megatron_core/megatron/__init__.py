@@ -60,7 +60,8 @@ _TP = "megatron.core.tensor_parallel"
 _PP = "megatron.core.pipeline_parallel"
 
 # megatron name -> this package's module. A module is served only where this package implements
-# megatron-core's whole public surface of it (tests/test_megatron_switch.py checks the names).
+# megatron-core's whole public surface of it (tests/megatron/test_megatron_switch.py checks the
+# names).
 SERVED: dict[str, str] = {
     "megatron.core.parallel_state": "megatron_core.parallel_state",
     "megatron.core.model_parallel_config": "megatron_core.model_parallel_config",

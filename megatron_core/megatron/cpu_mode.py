@@ -82,7 +82,8 @@ __all__ = [
 ENV = "MEGATRON_CORE_CUDA_ON_CPU"
 
 # Every CUDA name the CPU mode answers -> what it answers (README "CPU mode" lists the same names;
-# tests/test_megatron_cpu_mode.py checks that the list, the README and the replaced names agree).
+# tests/megatron/test_megatron_cpu_mode.py checks that the list, the README and the replaced
+# names agree).
 # torch.cuda.* and torch.distributed.* names are replaced attributes (NOTE rules 5 and 6); the
 # torch.Tensor / torch.nn.Module names are answered through the torch-function mode (rule 2); the
 # megatron.* names are module names the mode defines where megatron-core did not (rule 8).

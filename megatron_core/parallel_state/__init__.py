@@ -63,7 +63,8 @@ the package is built in layers, each file one idea:
 # Expert example, 8 ranks, cp=2, ep=2 (tp = etp = pp = 1): dense cp groups [0, 1] [2, 3] [4, 5]
 # [6, 7] and dp groups [0, 2, 4, 6] [1, 3, 5, 7]; expert grid (1, 1, 2, 4, 1) gives ep groups
 # [0, 1] [2, 3] [4, 5] [6, 7] and expert-dp groups [0, 2, 4, 6] [1, 3, 5, 7].
-# tests/test_rank_grid.py checks both examples and hand-written tables for worlds 1, 2, 4, 8.
+# tests/parallel_state/test_rank_grid.py checks both examples and hand-written tables for worlds
+# 1, 2, 4, 8.
 """
 
 import sys as _sys

@@ -11,8 +11,8 @@
 3. Each dropout call forks on its own (megatron-core instead wraps the whole layer stack in one
    fork under sequence parallelism). Both are correct under recompute: an RNG snapshot records
    the active fork and a recompute replays at that fork depth (NOTE [ RNG streams ], rule 5;
-   tests/test_checkpointing.py checks a checkpoint taken inside a fork). Per-call forks keep the
-   stream each draw uses visible where the draw happens.
+   tests/tensor_parallel/recompute/test_checkpointing.py checks a checkpoint taken inside a
+   fork). Per-call forks keep the stream each draw uses visible where the draw happens.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def test_served_table_is_megatron_names_onto_this_package():
 
 
 def test_readme_lists_exactly_the_served_modules():
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     section = readme.split("Served from this package:")[1].split("\n\n")[1]
     listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("- `")}
     assert listed == set(switch.SERVED)

@@ -140,7 +140,8 @@ def batch(step: int, microbatch: int = 0) -> dict[str, torch.Tensor]:
         "labels": tokens[:, 1:],
         "position_ids": torch.arange(SEQ, device=tokens.device).unsqueeze(0).expand(BATCH, SEQ),
         # None: megatron-core makes the causal mask itself (with device="cuda", which the CPU
-        # mode reads as the CPU; tests/test_megatron_cpu_mode_gpt.py checks it is the explicit one).
+        # mode reads as the CPU; tests/megatron/test_megatron_cpu_mode_gpt.py checks it is the
+        # explicit one).
         "attention_mask": None,
     }
 

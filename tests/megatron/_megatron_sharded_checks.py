@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_megatron_sharded_state.py."""
+"""Rank bodies for tests/megatron/test_megatron_sharded_state.py."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import torch
 
 from megatron_core.megatron import cpu_mode, megatron_core_version
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_megatron = pytest.mark.skipif(
     megatron_core_version() is None, reason="megatron-core is not installed (the [megatron] extra)"
 )

@@ -7,7 +7,7 @@ No test here patches anything: megatron-core's ``GPTModel`` builds its default c
 ``dist_checkpointing.save``'s writer calls ``torch.cuda.synchronize()`` and makes a tensor on
 ``torch.cuda.current_device()``. With the CPU mode on (the default without CUDA) they run as they
 are, and so does the README's example (scripts/megatron_gpt_example.py), written as for a GPU.
-The rank bodies live in tests/_megatron_cpu_mode.py.
+The rank bodies live in tests/megatron/_megatron_cpu_mode.py.
 """
 
 import dataclasses
@@ -93,7 +93,7 @@ def test_readme_example_trains_with_megatron_cores_own_step():
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_CORE_")}
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     result = subprocess.run(

@@ -21,7 +21,7 @@ from megatron_core import ModelParallelConfig
 from megatron_core.megatron import megatron_core_version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def _normal(annotation):

@@ -289,7 +289,7 @@ def test_extra_state_in_state_dict():
 
 
 # The inference layers compute (no Transformer Engine needed since megatron-core 0.19's names
-# were added): tests/test_megatron_019_tensor_parallel.py.
+# were added): tests/megatron/test_megatron_019_tensor_parallel.py.
 
 
 def test_config_derived_defaults_are_megatron_cores():

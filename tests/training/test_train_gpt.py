@@ -25,7 +25,7 @@ from megatron_core.training import (
     validate_args,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY = {
     "data": corpus_file(),  # fixed: runs compared with each other see the same batches
     "num-layers": 2,

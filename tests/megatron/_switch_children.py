@@ -1,4 +1,5 @@
-"""Child-process bodies for tests/test_megatron_children.py (importable by spawned children)."""
+"""Child-process bodies for tests/megatron/test_megatron_children.py (importable by spawned
+children)."""
 
 import pickle
 import sys

@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_megatron_switch.py (run where the switch is installed)."""
+"""Rank bodies for tests/megatron/test_megatron_switch.py (run where the switch is installed)."""
 
 from __future__ import annotations
 

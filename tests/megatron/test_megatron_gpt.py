@@ -4,8 +4,8 @@ Each test trains megatron-core 0.16.1's unmodified GPTModel a few Adam steps on 
 ``megatron.core.parallel_state`` / ``tensor_parallel`` / ``pipeline_parallel`` /
 ``finalize_model_grads`` served by this package (megatron_core.megatron.install()), and compares
 it with the same model at tp = pp = ep = 1 from the same initial weights. The bodies live in
-tests/_megatron_gpt.py (imported by the ranks); nothing in them patches torch or megatron-core
-(the switch's CPU mode answers megatron-core's CUDA calls).
+tests/megatron/_megatron_gpt.py (imported by the ranks); nothing in them patches torch or
+megatron-core (the switch's CPU mode answers megatron-core's CUDA calls).
 """
 
 import dataclasses

@@ -6,7 +6,7 @@ DistributedDataParallel (with and without ``overlap_grad_reduce``), megatron-cor
 without ``use_distributed_optimizer``; fp32 parameters, and bf16 parameters in megatron-core's
 ``Float16Module`` with fp32 main parameters). Sequence parallelism is on, so finalize_model_grads'
 tensor-parallel reduction meets DDP's buffers (with overlap_grad_reduce, still in flight). No test
-patches torch or megatron-core; the bodies live in tests/_megatron_ddp.py.
+patches torch or megatron-core; the bodies live in tests/megatron/_megatron_ddp.py.
 """
 
 import dataclasses

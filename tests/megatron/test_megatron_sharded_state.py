@@ -2,7 +2,7 @@
 
 NOTE [ Sharded state dict ] in megatron_core/tensor_parallel/sharded_state.py states the rules;
 this checks each one on the ShardedTensor / ShardedObject fields megatron-core's
-dist_checkpointing reads. tests/test_megatron_checkpoint.py round-trips a whole GPTModel.
+dist_checkpointing reads. tests/megatron/test_megatron_checkpoint.py round-trips a whole GPTModel.
 """
 
 import pytest

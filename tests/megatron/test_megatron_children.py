@@ -1,6 +1,6 @@
 """The switch holds in the processes a program starts (NOTE [ Switch in every process ]).
 
-Each case runs a fresh interpreter (tests/_switch_children.py's parent_main) that imports
+Each case runs a fresh interpreter (tests/megatron/_switch_children.py's parent_main) that imports
 megatron.core before pickling a tensor: megatron-core 0.19 replaces torch's storage unpickler
 there, so unpickling that tensor imports megatron. A child must then still see this package's
 modules under megatron's names.
