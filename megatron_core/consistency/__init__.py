@@ -4,7 +4,9 @@ The face of the consistency checks. switch.py holds the switch (off, the default
 first collectives of each group, always: check mode) and NOTE [ Check window ]; checks.py the
 primitives (:func:`agree`, :func:`agreed_errors`, :func:`named_failures`) and NOTE [ Agree
 before acting ]; text.py the readable messages (group names, call sites, each rank's values)
-that every rank of a disagreeing group raises alike.
+that every rank of a disagreeing group raises alike. The peer deadline (a rank that never
+arrives is named instead of waited for: NOTE [ Peer deadline ]) lives in
+parallel_state/deadline.py, below the agreement it guards; its settings are re-exported here.
 """
 
 from megatron_core.consistency.checks import (
@@ -39,6 +41,13 @@ from megatron_core.consistency.switch import (
     window_size,
     windows_done,
 )
+from megatron_core.parallel_state.deadline import (
+    DEADLINE_ENV,
+    DEFAULT_DEADLINE_S,
+    PeerDeadlineError,
+    peer_deadline,
+    set_peer_deadline,
+)
 
 __all__ = [
     # switch.py
@@ -71,4 +80,10 @@ __all__ = [
     "named_failures",
     "collective_failed",
     "describe_group",
+    # parallel_state/deadline.py
+    "DEADLINE_ENV",
+    "DEFAULT_DEADLINE_S",
+    "PeerDeadlineError",
+    "peer_deadline",
+    "set_peer_deadline",
 ]

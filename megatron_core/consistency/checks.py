@@ -74,6 +74,7 @@ from megatron_core.parallel_state.agreement import (
 )
 from megatron_core.parallel_state.agreement import exchange, exchange_text
 from megatron_core.parallel_state.agreement import hash_text as _hash_text
+from megatron_core.parallel_state.deadline import PeerDeadlineError
 
 describe_group = _text.describe_group  # public: "the tensor-model-parallel group (...)"
 
@@ -240,6 +241,8 @@ def collective_failed(op: str, group: dist.ProcessGroup | None, exc: BaseExcepti
     hint = ""
     if "Connection closed by peer" in text or "Connection reset" in text:
         hint = " (a peer process of the group died or closed its connection)"
+    elif isinstance(exc, PeerDeadlineError):
+        hint = " (a peer did not enter the collective within the peer deadline)"
     elif "Timed out" in text or "timeout" in text.lower():
         hint = " (a peer did not enter the collective within the group timeout)"
     elif "Detected mismatch between collectives" in text:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_core import device
 from megatron_core.errors import CollectiveError, RankDisagreementError
+from megatron_core.parallel_state import deadline
 
 __all__ = [
     "SLOTS",
@@ -68,7 +69,8 @@ def exchange(values: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """
     local = torch.tensor(values, dtype=torch.int64, device=_buffer_device(group))
     gathered = local.new_empty(dist.get_world_size(group) * len(values))
-    _all_gather_single(gathered, local, group=group)
+    work = _all_gather_single(gathered, local, group=group, async_op=True)
+    deadline.wait(work, "the agreement's all-gather", group)  # NOTE [ Peer deadline ]
     return gathered.view(-1, len(values)).cpu()
 
 
@@ -80,7 +82,8 @@ def exchange_text(text: str, group: dist.ProcessGroup) -> list[str]:
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
     gathered = padded.to(_buffer_device(group)).new_empty(len(sizes) * max(sizes))
-    _all_gather_single(gathered, padded.to(gathered.device), group=group)
+    work = _all_gather_single(gathered, padded.to(gathered.device), group=group, async_op=True)
+    deadline.wait(work, "the agreement's text all-gather", group)
     rows = gathered.view(len(sizes), -1).cpu()
     return [bytes(rows[r, : sizes[r]].tolist()).decode() for r in range(len(sizes))]
 

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state import deadline
 from megatron_core.tensor_parallel.utils import split_tensor_along_last_dim
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
@@ -90,7 +91,7 @@ class Pending:
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             with consistency.named_failures(self._op, self._group):
-                self._work.wait()
+                deadline.wait(self._work, self._op, self._group)  # NOTE [ Peer deadline ]
         return self._finish()
 
 
@@ -187,7 +188,10 @@ def reduce_scatter_first_dim(input_, group, input_split_sizes=None) -> torch.Ten
     rest = tuple(input_.shape[1:])
     received = input_.new_empty((world_size * sizes[rank], *rest))
     with consistency.named_failures(what, group):
-        dist.all_to_all_single(received, input_, [sizes[rank]] * world_size, sizes, group=group)
+        work = dist.all_to_all_single(
+            received, input_, [sizes[rank]] * world_size, sizes, group=group, async_op=True
+        )
+        deadline.wait(work, what, group)
     stacked = received.view(world_size, sizes[rank], *rest)
     return stacked.sum(dim=0, dtype=_sum_dtype(input_, group)).to(input_.dtype)
 
@@ -258,7 +262,10 @@ def all_gather_first_dim(input_, group, output_split_sizes=None) -> torch.Tensor
     output = input_.new_empty((sum(sizes), *input_.shape[1:]))
     send = torch.cat([input_] * world_size, dim=0)
     with consistency.named_failures(what, group):
-        dist.all_to_all_single(output, send, sizes, [input_.size(0)] * world_size, group=group)
+        work = dist.all_to_all_single(
+            output, send, sizes, [input_.size(0)] * world_size, group=group, async_op=True
+        )
+        deadline.wait(work, what, group)
     return output
 
 
@@ -297,8 +304,7 @@ def all_to_all_first_dim(
     output = input_.new_empty((sum(out_sizes), *input_.shape[1:]))
     with consistency.named_failures("all_to_all", group):
         handle = dist.all_to_all_single(
-            output, input_, out_sizes, in_sizes, group=group, async_op=async_op
+            output, input_, out_sizes, in_sizes, group=group, async_op=True
         )
-        if async_op:
-            handle.wait()
+        deadline.wait(handle, "all_to_all", group)
     return output

@@ -93,6 +93,7 @@ class VocabUtility:
 # Used by checkpoint(distribute_saved_activations=True); see NOTE [ Checkpoint rules ], rule 3, in
 # tensor_parallel/recompute/entry_points.py.
 from megatron_core import consistency, parallel_state  # noqa: E402
+from megatron_core.parallel_state import deadline  # noqa: E402
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 _all_gather_1d = (
@@ -203,7 +204,11 @@ def gather_split_1d_tensor(
     if total == 0:  # every rank holds an empty chunk: nothing to exchange
         return gathered
     with consistency.named_failures("gather_split_1d_tensor", _default_group(group)):
-        _all_gather_1d(
-            gathered, tensor.detach().reshape(-1).contiguous(), group=_default_group(group)
+        work = _all_gather_1d(
+            gathered,
+            tensor.detach().reshape(-1).contiguous(),
+            group=_default_group(group),
+            async_op=True,
         )
+        deadline.wait(work, "gather_split_1d_tensor", _default_group(group))
     return gathered if numel is None else gathered[:numel]
