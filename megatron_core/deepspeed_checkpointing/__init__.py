@@ -21,10 +21,12 @@ buffers).
    rank of that group must run the backward. Other arguments are kept as given.
 3. CPU. With ``CPU_CHECKPOINT`` the kept copies of those arguments (their chunks when
    partitioned) live on the CPU and are copied back to the argument's device for the recompute.
-4. Contiguous buffers. With ``CONTIGUOUS_CHECKPOINTING`` (needs partitioning and ``num_layers``)
+4. Contiguous buffers. With ``CONTIGUOUS_CHECKPOINTING`` (needs partitioning and ``num_layers``;
    the chunk of floating argument j is copied into one of ``num_layers`` buffers preallocated
-   for (j, chunk size, dtype, device) on first use. A checkpoint's backward gives its buffers
-   back, so the next step reuses the same tensors: no allocation per step after the first.
+   for (j, chunk size, dtype, device) on first use; both checkpoints, reentrant and not). A
+   reentrant checkpoint's backward gives its buffers back, a non-reentrant one's graph when it
+   is freed (a ``retain_graph`` backward may run again), so the next step reuses the same
+   tensors: no allocation per step after the first.
    More checkpoints alive at once than ``num_layers`` raise MegatronCoreError (DeepSpeed fails
    with an IndexError). Forward passes without backward (eval with grad on) must call
    ``reset()``, which frees every buffer, as in DeepSpeed.
@@ -37,6 +39,7 @@ buffers).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -66,7 +69,6 @@ from megatron_core.tensor_parallel.random import (
 from megatron_core.tensor_parallel.recompute.nonreentrant import checkpoint_without_reentrant
 from megatron_core.tensor_parallel.recompute.saved_inputs import (
     CheckpointOptions,
-    Distribute,
     ForwardState,
     backward_through,
     checkpointing_region,
@@ -376,17 +378,37 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """DeepSpeed's ``non_reentrant_checkpoint``: the saved-tensor-hooks checkpoint.
 
-    Works with ``torch.autograd.grad`` and with arguments that do not require grad. With
-    ``PARTITION_ACTIVATIONS`` every floating argument is kept as this rank's 1-D chunk, with
-    ``CPU_CHECKPOINT`` on the CPU (the package's non-reentrant checkpoint, NOTE [ Checkpoint
-    rules ], rules 3-5); contiguous buffers are not used.
+    Works with ``torch.autograd.grad`` and with arguments that do not require grad. The
+    arguments are kept as :func:`checkpoint` keeps them (rules 2-4: partitions, CPU copies,
+    contiguous buffers); the buffers of a graph go back when the graph is freed, so a
+    ``retain_graph`` backward may run again after other forwards. ``PROFILE_TIME`` prints the
+    forward line and, per backward, a "backward" line timing the inputs' rebuild and the
+    recompute (DeepSpeed's also spans the backpropagation after it).
     """
     settings = _settings()
-    size, _, group = _tp() if settings["partition"] else (1, 0, None)
-    options = CheckpointOptions(
-        Distribute.EVERY if size > 1 else None, settings["cpu"], False, group
-    )
+    tp = _tp() if settings["partition"] else (1, 0, None)
+    options = CheckpointOptions(None, settings["cpu"], False, tp[2])
     timer = _Timer(settings, "fwd")
-    out = checkpoint_without_reentrant(function, options, args, {}, None, False, True)
+    out = checkpoint_without_reentrant(
+        function,
+        options,
+        args,
+        {},
+        context_fn=lambda: (contextlib.nullcontext(), _TimedRecompute(settings)),
+        keep_inputs=lambda leaves: SavedArguments(leaves, settings, tp),
+    )
     timer.stop()
     return out
+
+
+class _TimedRecompute:
+    """The recompute context of :func:`non_reentrant_checkpoint`: its "backward" line (rule 5)."""
+
+    def __init__(self, settings: dict[str, Any]):
+        self.settings = settings
+
+    def __enter__(self) -> None:
+        self.timer = _Timer(self.settings, "backward")
+
+    def __exit__(self, *exc) -> None:
+        self.timer.stop()

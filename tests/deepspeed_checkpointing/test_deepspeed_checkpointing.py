@@ -183,6 +183,10 @@ def _double(x, y):
     return x * 2 + y
 
 
+def _sin_mul(x, y):  # saves its inputs for backward: its gradient depends on them
+    return torch.sin(x) * y
+
+
 def _saved_bytes(x, y) -> int:
     with count_saved_activations() as report:
         out = ds.checkpoint(_double, x, y)
@@ -253,6 +257,33 @@ def _body_memory() -> dict:
     got = torch.autograd.grad(ds.non_reentrant_checkpoint(_double, x, y).pow(2).sum(), x)[0]
     result["autograd.grad equal"] = torch.equal(want, got)
 
+    # non_reentrant_checkpoint with contiguous buffers: the same buffers every step, gradients
+    # as without checkpointing, and a retain_graph backward run again after another forward
+    # took a buffer still reads its own inputs (a graph's buffers go back when it is freed).
+    ds.configure(parallel_state, partition_activations=True, contiguous_checkpointing=True,
+                 num_checkpoints=2)  # fmt: skip
+    want = torch.autograd.grad(_sin_mul(_sin_mul(x, y), y).sum(), x)[0]
+    ptrs, same = [], []
+    for _ in range(3):
+        x.grad = None
+        h = ds.non_reentrant_checkpoint(_sin_mul, x, y)
+        ds.non_reentrant_checkpoint(_sin_mul, h, y).sum().backward()
+        del h
+        same.append(torch.equal(x.grad, want))
+        ptrs.append(sorted(t.data_ptr() for b in ds._BUFFERS.slots.values() for t in b))
+    result["non-reentrant buffers reused"] = ptrs[0] == ptrs[1] == ptrs[2] and len(ptrs[0]) == 4
+    result["non-reentrant grads equal"] = all(same)
+    kept = ds.non_reentrant_checkpoint(_sin_mul, x, y)
+    first = torch.autograd.grad(kept.sum(), x, retain_graph=True)[0]
+    other = ds.non_reentrant_checkpoint(_sin_mul, x * 3.0, y)  # takes the other buffers
+    torch.autograd.grad(other.sum(), x)
+    again = torch.autograd.grad(kept.sum(), x)[0]
+    result["retain_graph backward again"] = torch.equal(first, again) and torch.equal(
+        first, torch.autograd.grad(_sin_mul(x, y).sum(), x)[0]
+    )
+    del kept, other
+    ds.reset()
+
     # model_parallel_reconfigure_tp_seed: the model-parallel stream restarts at seed + 2718 + rank.
     ds.configure(parallel_state)
     ds.model_parallel_reconfigure_tp_seed(5)
@@ -275,6 +306,8 @@ def test_memory_buffers_and_autograd_grad(world_size):
         assert r["partitioned, older mpu"] == chunk, rank
         assert r["reconfigured stream"], rank
         assert r["buffers reused"] and r["buffered grads equal"], rank
+        assert r["non-reentrant buffers reused"] and r["non-reentrant grads equal"], rank
+        assert r["retain_graph backward again"], rank
         assert "more than num_checkpoints (2)" in r["overflow"], r["overflow"]
         assert r["after reset"] and r["autograd.grad equal"], rank
 
@@ -352,6 +385,10 @@ def test_profile_lines_and_reentrant_autograd_grad(restore_globals, capsys):
     assert lines[1].startswith("time (ms) | backward: ")
     with pytest.raises(MegatronCoreError, match="autograd.grad"):
         torch.autograd.grad(ds.checkpoint(_double, x, torch.ones(4)).sum(), x)
+    capsys.readouterr()
+    ds.non_reentrant_checkpoint(_sin_mul, x, torch.ones(4)).sum().backward()
+    lines = capsys.readouterr().out.splitlines()  # the forward, then the recompute in backward
+    assert [line.split(":")[0] for line in lines] == ["time (ms) | fwd", "time (ms) | backward"]
 
 
 # --- against DeepSpeed's own checkpoint (only where deepspeed is installed) -----------------------

@@ -306,12 +306,16 @@ def checkpoint_without_reentrant(
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
     debug: bool = False,
     early_stop: bool = True,
+    keep_inputs: Callable[[list], Any] | None = None,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` keeping only its inputs for backward.
 
     Tensors anywhere inside ``args`` / ``kwargs`` (lists, tuples, dicts) are inputs. Works with
     ``torch.autograd.grad`` (also inside the function) and nests. Under ``torch.no_grad`` the
-    function just runs. See NOTE [ Non-reentrant recompute ].
+    function just runs. See NOTE [ Non-reentrant recompute ]. ``keep_inputs(leaves)``, when
+    given, keeps the flattened inputs instead of :class:`SavedInputs` (deepspeed_checkpointing's
+    partitions and contiguous buffers): an object with ``tensors`` (the kept tensors) and
+    ``rebuild(tensors)`` (the inputs again), used until the graph is freed.
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
@@ -321,7 +325,10 @@ def checkpoint_without_reentrant(
     leaves, spec = tree_flatten((args, kwargs))
     stack = _stack()
     enclosing = stack[-1] if stack else None
-    saved = SavedInputs(leaves, options, version_check=enclosing is None)
+    if keep_inputs is not None:
+        saved = keep_inputs(leaves)
+    else:
+        saved = SavedInputs(leaves, options, version_check=enclosing is None)
     extra = (_resolve_early_stop(early_stop), recompute_context, debug)
     frame = _Frame(function, spec, saved, options, extra)
     frame.keep_inputs_in(enclosing)
