@@ -124,7 +124,9 @@ def _start(tmp_path, extra=()):
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group, as a terminal's foreground job
     )
-    _wait_for(log, "iteration      2/", process)
+    # Two ranks importing torch and building the model: seconds on a quiet machine, over 120 s
+    # once on the CI machine with three test runs and an install beside it.
+    _wait_for(log, "iteration      2/", process, timeout=240.0)
     return process, log
 
 
