@@ -41,7 +41,10 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 # Process-wide settings every rank must share, compared by every agree_on_arguments: name ->
 # a function returning the readable value (megatron_core.consistency adds its mode and window).
-_SETTINGS: dict[str, Callable[[], str]] = {}
+_SETTINGS: dict[str, Callable[[], str]] = {
+    # NOTE [ Peer deadline ], rule 5
+    f"peer deadline ({deadline.DEADLINE_ENV})": lambda: repr(deadline.peer_deadline()),
+}
 
 
 def add_agreed_setting(name: str, value: Callable[[], str]) -> None:

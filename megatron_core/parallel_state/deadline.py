@@ -13,11 +13,12 @@
    of the group timeout that would otherwise end the wait, with a message naming nobody.
 3. At the deadline every waiting rank writes "I am here" under the collective's key in the
    default group's store, gives its peers up to 5 s (at most the deadline) to do the same, and
-   raises
-   :class:`PeerDeadlineError` naming the ranks that never wrote: the ones that did not enter the
-   collective. Nothing is written before the deadline: the happy path costs a dictionary update
-   per wait. The key is the group's ranks, the operation and a count of this process's waits on
-   that group, equal on ranks that made the same calls.
+   raises :class:`PeerDeadlineError` naming the ranks that never wrote: the ones that did not
+   enter the collective. Nothing is written before the deadline: the happy path costs a
+   dictionary update per wait. The key is the group's ranks, the operation and a count of this
+   process's waits on that group, equal on ranks that made the same calls.
+5. Every rank must use the same deadline: ``initialize_model_parallel`` agrees on it with its
+   other arguments (a rank with another value raises on every rank).
 4. NCCL (and the per-device ``cuda:nccl,cpu:gloo`` map) is left to torch: NCCL's own watchdog
    ends a collective that a peer never joins after the group timeout, and a host-side wait would
    stall the device queue that the package's asynchronous NCCL work is built to keep full.

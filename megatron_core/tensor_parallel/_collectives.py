@@ -283,8 +283,9 @@ def all_to_all_first_dim(
 ):
     """Rank r sends its i-th block of rows to rank i and receives rank i's r-th block.
 
-    ``async_op``: launch it asynchronously and wait for the handle (megatron-core 0.19's
-    ``use_nccl_stream``: on NCCL it then runs on NCCL's stream); the result is the same.
+    ``async_op``: megatron-core 0.19's ``use_nccl_stream``, accepted; the exchange is always
+    launched asynchronously and waited for (on NCCL it runs on NCCL's stream; on gloo the wait
+    is bounded by the peer deadline, NOTE [ Peer deadline ]); the result is the same.
 
     Split sizes of None mean equal blocks (the output then has as many rows as the input). The
     ranks always agree on the split sizes first (one small exchange, ``consistency.agreed_splits``).

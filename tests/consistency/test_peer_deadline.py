@@ -94,3 +94,21 @@ def test_the_deadline_setting(monkeypatch):
             consistency.set_peer_deadline(-1)
     finally:
         consistency.set_peer_deadline("unset")
+
+
+def _different_deadlines():
+    from megatron_core import parallel_state
+
+    consistency.set_peer_deadline(10.0 + dist.get_rank())
+    try:
+        parallel_state.initialize_model_parallel()
+    except MegatronCoreError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_with_different_deadlines_are_refused_at_initialization():
+    for message in run_distributed(_different_deadlines, 2):
+        assert "peer deadline (MEGATRON_CORE_PEER_DEADLINE): rank 0 = 10.0, rank 1 = 11.0" in (
+            message
+        ), message
