@@ -24,10 +24,18 @@ class Request:
     tensor alive until then (a sent output may be deallocated by the schedule meanwhile)."""
 
     def __init__(
-        self, work, peer: str, timeout: datetime.timedelta | None, tensor=None, staged=None
+        self,
+        work,
+        peer: str,
+        timeout: datetime.timedelta | None,
+        tensor=None,
+        staged=None,
+        receive: bool = False,
     ):
         self.work, self.peer, self.timeout, self.tensor = work, peer, timeout, tensor
-        self.staged = staged  # a receive's host buffer, copied into ``tensor`` once done
+        # The host copy on the wire (NOTE [ P2P matching ], rule 6), alive until the operation
+        # is done; a receive's is then copied into ``tensor``.
+        self.staged, self.receive = staged, receive
 
     def wait(self) -> None:
         """Wait for the operation; raise MegatronCoreError naming the peer on failure."""
@@ -44,7 +52,7 @@ class Request:
         if ok is False:
             self.tensor = self.staged = None
             raise MegatronCoreError(f"pipeline p2p: {self.peer} did not complete")
-        if self.staged is not None:
+        if self.staged is not None and self.receive:
             with torch.no_grad():  # the receive buffer is a leaf that requires grad
                 self.tensor.copy_(self.staged)
         self.tensor = self.staged = None
@@ -92,7 +100,8 @@ def post(
             _describe(n, next_rank, prev_rank),
             timeout,
             tensors[n],
-            staged=wire[n] if n.startswith("recv") and wire[n] is not tensors[n] else None,
+            staged=wire[n] if wire[n] is not tensors[n] else None,
+            receive=n.startswith("recv"),
         )
         for n, w in zip(names, works)
     }

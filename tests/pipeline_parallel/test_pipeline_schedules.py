@@ -556,5 +556,11 @@ def test_gloo_p2p_stages_device_tensors_through_host_memory(monkeypatch):
             return True
 
     target, arrived = torch.zeros(3, requires_grad=True), torch.arange(3.0)  # a received leaf
-    _p2p_ops.Request(_Done(), "recv from prev rank 0", None, target, staged=arrived).wait()
+    receive = _p2p_ops.Request(_Done(), "recv", None, target, staged=arrived, receive=True)
+    receive.wait()
     assert torch.equal(target.detach(), arrived)  # the staged receive lands in the tensor
+    sent, copy = torch.ones(3), torch.full((3,), 7.0)
+    send = _p2p_ops.Request(_Done(), "send", None, sent, staged=copy)
+    assert send.staged is copy  # the host copy on the wire lives until the send is done
+    send.wait()
+    assert torch.equal(sent, torch.ones(3)) and send.staged is None
