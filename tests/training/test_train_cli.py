@@ -125,8 +125,14 @@ def _start(tmp_path, extra=()):
         start_new_session=True,  # its own process group, as a terminal's foreground job
     )
     # Two ranks importing torch and building the model: seconds on a quiet machine, over 120 s
-    # once on the CI machine with three test runs and an install beside it.
-    _wait_for(log, "iteration      2/", process, timeout=240.0)
+    # once on the CI machine with three test runs and an install beside it. A start that fails
+    # takes the job down with it: left running, it trained on for 40 minutes beside the suite.
+    try:
+        _wait_for(log, "iteration      2/", process, timeout=240.0)
+    except BaseException:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
     return process, log
 
 
