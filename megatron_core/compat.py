@@ -23,6 +23,7 @@ __all__ = [
     "require_torch",
     "checkpoint_early_stop_override",
     "redispatch_torch_function",
+    "default_store",
 ]
 
 FLOOR = (2, 6)  # setup.py's torch>=2.6
@@ -100,3 +101,15 @@ def redispatch_torch_function(mode, func, types, args, kwargs):
         return func(*args, **kwargs)
     with mode:
         return redispatch(func, types, args, kwargs)
+
+
+def default_store():
+    """The default process group's key-value store, or None where torch does not expose it
+    (a private getter of torch.distributed; present from the floor up to the newest release)."""
+    import torch.distributed as dist
+
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except (RuntimeError, ValueError):  # no default group
+        return None

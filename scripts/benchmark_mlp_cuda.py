@@ -36,6 +36,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -130,8 +131,6 @@ class _Timer:
             self.start, self.end = torch.cuda.Event(True), torch.cuda.Event(True)
             self.start.record()
         else:
-            import time
-
             self.t0 = time.perf_counter()
         return self
 
@@ -141,8 +140,6 @@ class _Timer:
             self.end.synchronize()
             self.ms = self.start.elapsed_time(self.end)
         else:
-            import time
-
             self.ms = (time.perf_counter() - self.t0) * 1e3
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA / NCCL checks (issue 38) for a machine with one or more NVIDIA GPUs, sized for a lent
+# The CUDA / NCCL checks for a machine with one or more NVIDIA GPUs, sized for a lent
 # machine: one GPU, 16 cores, its own torch, nothing installable, minutes of device time.
 #
 #   bash scripts/gpu_check.sh                 # every step, most valuable first

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh and its benchmark still start on a machine without a GPU (issue 38): the
+"""scripts/gpu_check.sh and its benchmark still start on a machine without a GPU: the
 script's --dry-run finds and compiles every step's script, and the MLP benchmark's checks (each
 mode against ours, ours against torch's nn.Linear) pass on one CPU rank at tiny sizes."""
 

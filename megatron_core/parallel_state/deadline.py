@@ -32,6 +32,7 @@ import time
 
 import torch.distributed as dist
 
+from megatron_core import compat
 from megatron_core.errors import MegatronCoreError
 
 __all__ = [
@@ -48,7 +49,7 @@ DEFAULT_DEADLINE_S = 900.0
 _ROLL_CALL_S = 5.0  # at most this long a waiting rank gives its peers to report (rule 3)
 _OFF = ("0", "off", "no", "false", "none")
 _EXPLICIT: list[float | None | str] = ["unset"]  # set_peer_deadline's value; "unset": environment
-_WAITS: dict[tuple[int, ...], int] = {}  # group ranks -> waits made on it (rule 3)
+_WAITS: dict[dist.ProcessGroup, int] = {}  # group -> waits made on it (rule 3)
 
 
 class PeerDeadlineError(RuntimeError):
@@ -93,18 +94,10 @@ def set_peer_deadline(seconds: float | None | str = "unset") -> None:
     _EXPLICIT[0] = seconds
 
 
-def _store():
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    try:
-        return getter() if getter is not None else None
-    except (RuntimeError, ValueError):
-        return None
-
-
 def _roll_call(group: dist.ProcessGroup, op: str, count: int) -> tuple[list[int], list[int]]:
     """(ranks that reported, ranks that did not) within the roll-call time (rule 3); both empty
     if the default store cannot be reached."""
-    store = _store()
+    store = compat.default_store()
     ranks = dist.get_process_group_ranks(group)
     if store is None:
         return [], []
@@ -132,8 +125,7 @@ def wait(work, op: str, group: dist.ProcessGroup) -> None:
     if deadline is None or dist.get_backend(group) != "gloo":
         work.wait()
         return
-    ranks = tuple(dist.get_process_group_ranks(group))
-    count = _WAITS[ranks] = _WAITS.get(ranks, 0) + 1
+    count = _WAITS[group] = _WAITS.get(group, 0) + 1
     start = time.monotonic()
     try:
         work.wait(datetime.timedelta(seconds=deadline))

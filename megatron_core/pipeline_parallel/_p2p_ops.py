@@ -43,19 +43,20 @@ class Request:
             return
         work, self.work = self.work, None
         try:
-            ok = work.wait() if self.timeout is None else work.wait(self.timeout)
-        except RuntimeError as error:
+            try:
+                ok = work.wait() if self.timeout is None else work.wait(self.timeout)
+            except RuntimeError as error:
+                raise MegatronCoreError(
+                    f"pipeline p2p: {self.peer} failed or timed out (timeout {self.timeout}): "
+                    f"{error}"
+                ) from error
+            if ok is False:
+                raise MegatronCoreError(f"pipeline p2p: {self.peer} did not complete")
+            if self.staged is not None and self.receive:
+                with torch.no_grad():  # the receive buffer is a leaf that requires grad
+                    self.tensor.copy_(self.staged)
+        finally:
             self.tensor = self.staged = None
-            raise MegatronCoreError(
-                f"pipeline p2p: {self.peer} failed or timed out (timeout {self.timeout}): {error}"
-            ) from error
-        if ok is False:
-            self.tensor = self.staged = None
-            raise MegatronCoreError(f"pipeline p2p: {self.peer} did not complete")
-        if self.staged is not None and self.receive:
-            with torch.no_grad():  # the receive buffer is a leaf that requires grad
-                self.tensor.copy_(self.staged)
-        self.tensor = self.staged = None
 
 
 def wait_all(requests: dict[str, Request]) -> None:
