@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from megatron_core import consistency
+from megatron_core.tensor_parallel.random import keep_device_stream_apart
 from megatron_core.testing import run_distributed, shutdown_pools
 
 os.environ.setdefault(consistency.CHECK_ENV, "1")
@@ -35,6 +36,16 @@ def _distributed_worker_pools():
     """Stop the warm worker pools of megatron_core.testing when the session ends."""
     yield
     shutdown_pools()
+
+
+@pytest.fixture(autouse=True)
+def _cpu_device_stream_as_found():
+    """Each test starts with the CPU generator serving device draws too, as the harness's
+    workers do (a test that seeds with model_parallel_cuda_manual_seed keeps the device stream
+    apart for itself only: NOTE [ RNG streams ], rule 6)."""
+    keep_device_stream_apart(False)
+    yield
+    keep_device_stream_apart(False)
 
 
 @pytest.fixture

@@ -30,7 +30,12 @@ by ``megatron_core.megatron.install``; every name it answers is in :data:`ANSWER
    tensors on "cuda" is not covered; every replaced ``torch.cuda`` name is (rule 5).
 5. Names. The ``torch.cuda`` names in :data:`ANSWERED` are replaced by CPU stand-ins: the current
    device is 0, ``set_device`` / ``synchronize`` do nothing, streams and events are CPU objects
-   that are always complete, and CUDA's random generator is the CPU's. ``device_count()`` is
+   that are always complete, and CUDA's random generator is the device stream, a state kept
+   apart from the CPU generator (NOTE [ RNG streams ], rule 6): the mode's torch.cuda seeding
+   and state names read and write it, and the mode runs every ``torch.nn.functional`` dropout
+   and every random factory whose device names CUDA inside ``device_rng()``, so a host-side
+   draw on some ranks only (a data loader on TP rank 0) cannot change the dropout masks of
+   activations replicated across a TP group, as on a GPU. ``device_count()`` is
    the number of processes on this node (torchrun's ``LOCAL_WORLD_SIZE``, 1 without it): one
    device per local rank, as on the GPU node megatron-core's launch code assumes (its tests'
    ``set_device(rank % device_count())`` divides by it). ``is_available()`` keeps torch's answer
@@ -65,6 +70,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_core import compat, device
 from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel import random as tp_random
 
 __all__ = [
     "ENV",
@@ -97,10 +103,14 @@ ANSWERED: dict[str, str] = {
     "torch.cuda.Stream": "CpuStream (a torch.cpu.Stream; complete at once)",
     "torch.cuda.stream": "context that makes a CpuStream current",
     "torch.cuda.Event": "CpuEvent (complete at once; elapsed_time from the wall clock)",
-    "torch.cuda.manual_seed": "seeds the CPU generator",
-    "torch.cuda.manual_seed_all": "seeds the CPU generator",
-    "torch.cuda.get_rng_state": "the CPU generator's state",
-    "torch.cuda.set_rng_state": "sets the CPU generator's state",
+    "torch.cuda.manual_seed": "seeds the device stream, kept apart from the CPU generator",
+    "torch.cuda.manual_seed_all": "seeds the device stream, kept apart from the CPU generator",
+    "torch.cuda.get_rng_state": "the device stream's state",
+    "torch.cuda.set_rng_state": "sets the device stream's state",
+    "torch.nn.functional.dropout": "draws from the device stream (also dropout1d/2d/3d, "
+    "alpha_dropout, feature_alpha_dropout), not from host-side draws",
+    "torch.rand": "with a device naming CUDA, draws from the device stream (also randn, "
+    "randint, randperm, normal)",
     "torch.distributed.init_process_group": "gloo where NCCL is asked for",
     "torch.distributed.new_group": "gloo where NCCL is asked for",
     "torch.Tensor.to": "a device naming CUDA is the CPU",
@@ -138,6 +148,14 @@ class _CudaOnCpu(TorchFunctionMode):
     """NOTE [ CUDA on the CPU ] rules 2 and 3: device arguments naming CUDA mean the CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _DEVICE_DRAWS or (
+            func in _FACTORY_DRAWS and kwargs and _names_cuda(kwargs.get("device"))
+        ):
+            with tp_random.device_rng():  # NOTE rule 5 and NOTE [ RNG streams ], rule 6
+                return self._run(func, types, args, kwargs)
+        return self._run(func, types, args, kwargs)
+
+    def _run(self, func, types, args, kwargs):
         if kwargs and _names_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": _CPU}
         if func is _TENSOR_CUDA:
@@ -152,6 +170,24 @@ class _CudaOnCpu(TorchFunctionMode):
 
 
 _TENSOR_CUDA = torch.Tensor.cuda
+# NOTE rule 5: draws that a GPU would make from CUDA's generator (dropout is always applied to
+# device activations; a factory only when its device names CUDA).
+_F = torch.nn.functional
+_DEVICE_DRAWS = frozenset(
+    {
+        _F.dropout,
+        _F.dropout1d,
+        _F.dropout2d,
+        _F.dropout3d,
+        _F.alpha_dropout,
+        _F.feature_alpha_dropout,
+        torch.dropout,
+        torch.alpha_dropout,
+        torch.feature_dropout,
+        torch.feature_alpha_dropout,
+    }
+)
+_FACTORY_DRAWS = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal})
 _TENSOR_TO = torch.Tensor.to
 _TENSOR_TYPE = torch.Tensor.type
 
@@ -273,8 +309,9 @@ def _stream(stream) -> _StreamContext:
 
 
 def _seed(seed: int) -> None:
-    # Not torch.manual_seed: that seeds CUDA's generators too, i.e. calls this again.
-    torch.default_generator.manual_seed(int(seed))
+    # NOTE rule 5: CUDA's generator is the device stream. torch.manual_seed calls this too
+    # (through torch.cuda.manual_seed_all) after seeding the CPU generator.
+    tp_random.device_manual_seed(int(seed))
 
 
 def _device_count() -> int:
@@ -296,7 +333,7 @@ def _device_count() -> int:
 
 
 def _set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
-    torch.default_generator.set_state(new_state)
+    tp_random.set_device_rng_state(new_state)
 
 
 def _gloo_for_nccl(original):
@@ -334,7 +371,7 @@ def _stand_ins() -> dict[tuple[object, str], object]:
         (cuda, "Event"): CpuEvent,
         (cuda, "manual_seed"): _seed,
         (cuda, "manual_seed_all"): _seed,
-        (cuda, "get_rng_state"): lambda device="cuda": torch.default_generator.get_state(),
+        (cuda, "get_rng_state"): lambda device="cuda": tp_random.get_device_rng_state(),
         (cuda, "set_rng_state"): _set_rng_state,
         (dist, "init_process_group"): _gloo_for_nccl(dist.init_process_group),
         (dist, "new_group"): _gloo_for_nccl(dist.new_group),
@@ -435,6 +472,7 @@ def enable() -> None:
     for name in COMPLETED:
         if name in sys.modules:
             _complete(sys.modules[name])
+    tp_random.keep_device_stream_apart(True)  # NOTE rule 5
     mode = _CudaOnCpu()
     mode.__enter__()
     _STATE["mode"] = mode

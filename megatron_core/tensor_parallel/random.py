@@ -43,9 +43,26 @@ path ``tensor_parallel.random.checkpoint``), from ``recompute/entry_points.py``.
    recomputed in backward, outside any fork, and a ``fork(A)`` nested in it must still write A's
    in-flight state back first (rule 4), exactly as it did in forward.
 6. Devices. On cuda the tracker forks only the GPU generator; CPU draws inside a fork come from
-   the (unforked) CPU generator, as in megatron-core. On cpu the device generator IS the CPU
-   generator: a snapshot stores that state once and restores it once. Seeding also seeds the CPU
-   generator with ``seed``; python ``random`` and numpy are left to the caller.
+   the (unforked) CPU generator, as in megatron-core. On cpu torch has one generator for both
+   kinds of draw: host-side ones (a data loader's seed, a sampler, user code) and those CUDA's
+   default generator would serve (dropout of replicated activations). Megatron builds its data
+   iterator on TP rank 0 only, so a host draw there would shift rank 0's replicated dropout
+   masks and the replicas would drift apart, silently (rule 3a broken by the host). So on cpu,
+   once ``model_parallel_cuda_manual_seed`` (or the switch's CPU mode) has seeded it, the
+   *device stream* (what CUDA's default generator would hold) is a state kept apart from the
+   CPU generator. ``device_rng()`` swaps it into the CPU generator for the draws in its block
+   and stores the advanced state back, as a fork does with a tracker stream. Draws that go
+   through it: this package's transformer dropout outside forks, the RNG audit's default-stream
+   draw, and under the CPU mode every ``torch.nn.functional`` dropout and every random factory
+   whose device names CUDA. Forks load their stream into the CPU generator as before, so inside
+   a fork every draw comes from that stream and ``device_rng()`` does nothing.
+   ``get_device_rng_state`` / ``set_device_rng_state`` / ``device_manual_seed`` read, write and
+   seed the device stream (inside a fork: the loaded stream, as torch.cuda's do on a GPU);
+   snapshots record it beside the CPU generator, so recompute and checkpoints replay both.
+   Seeding also seeds the CPU generator with ``seed``; python ``random`` and numpy are left to
+   the caller. A dropout outside this package and outside the CPU mode (a user's own
+   ``nn.Dropout`` on the package's CPU path) draws from the CPU generator: wrap it in
+   ``device_rng()`` to get the same guarantee.
 """
 
 from __future__ import annotations
@@ -78,6 +95,11 @@ __all__ = [
     "get_gtp_remat_rng_tracker_name",
     "RNGSnapshot",
     "get_rng_snapshot",
+    "device_rng",
+    "get_device_rng_state",
+    "set_device_rng_state",
+    "device_manual_seed",
+    "keep_device_stream_apart",
     "set_rng_snapshot",
     "convert_cuda_rng_state",
     "is_graph_safe_cuda_rng_tracker",
@@ -401,7 +423,8 @@ def model_parallel_cuda_manual_seed(
 ) -> None:
     """Seed the default generators and register the three streams (NOTE [ RNG streams ], rule 1).
 
-    Seeds the device generator and the CPU generator with ``seed`` (one generator on cpu), then
+    Seeds the device stream and the CPU generator with ``seed`` (on cpu the device stream is
+    then kept apart from the CPU generator: NOTE [ RNG streams ], rule 6), then
     resets the tracker and adds "data-parallel-rng" (seed), "model-parallel-rng"
     (seed + 2718 + tp_rank) and "expert-parallel-rng" (seed + 1024 + 100 * ep_rank + etp_rank).
     Python ``random`` and numpy are not touched. Call after ``initialize_model_parallel``.
@@ -425,7 +448,7 @@ def model_parallel_cuda_manual_seed(
     tracker = _CUDA_RNG_STATE_TRACKER
     tracker.reset()
     torch.default_generator.manual_seed(seed)  # See NOTE [ RNG streams ], rule 6
-    device.manual_seed(seed)
+    device_manual_seed(seed)
     tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
     tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
@@ -438,7 +461,8 @@ class RNGSnapshot:
     Attributes:
         device_type: the device type when taken; restoring under another one raises.
         cpu_state: the CPU generator's state.
-        device_state: the device generator's state (the same tensor as cpu_state on cpu).
+        device_state: the device stream's state (NOTE [ RNG streams ], rule 6; the CPU
+            generator's state on cpu before the stream is kept apart or inside a fork).
         tracker_states: read-only mapping, tracker stream name -> state copy.
         active_stream: the stream whose fork was active when taken (None outside any fork).
     """
@@ -453,10 +477,10 @@ class RNGSnapshot:
 def get_rng_snapshot() -> RNGSnapshot:
     """Copy the CPU, device and tracker-stream states (the tracker is created if needed)."""
     kind = device.device_type()
-    cpu_state = torch.get_rng_state()
-    device_state = cpu_state if kind == "cpu" else device.get_rng_state()
     tracker = get_cuda_rng_tracker()
     states = types.MappingProxyType(tracker.get_states())
+    cpu_state = torch.get_rng_state()
+    device_state = device_state_beside(cpu_state)
     return RNGSnapshot(kind, cpu_state, device_state, states, getattr(tracker, "_active", None))
 
 
@@ -472,11 +496,114 @@ def set_rng_snapshot(snapshot: RNGSnapshot) -> None:
             f"set_rng_snapshot: snapshot was taken on {snapshot.device_type!r}, "
             f"device type is now {kind!r}"
         )
-    torch.set_rng_state(snapshot.cpu_state)  # set_state copies the tensor in
-    if kind != "cpu":  # on cpu device_state is cpu_state. See NOTE [ RNG streams ], rule 6
-        device.set_rng_state(snapshot.device_state)
     tracker = get_cuda_rng_tracker()
     # A fresh copy: set_states keeps the dict it is given. See NOTE [ RNG streams ], rule 5
     tracker.set_states({name: _copy_state(s) for name, s in snapshot.tracker_states.items()})
     if hasattr(tracker, "_active"):  # See NOTE [ RNG streams ], rule 5
         tracker._active = snapshot.active_stream
+    # The active stream first: it decides where the device stream lives (rule 6).
+    torch.set_rng_state(snapshot.cpu_state)  # set_state copies the tensor in
+    if snapshot.device_state is not snapshot.cpu_state:
+        set_device_rng_state(snapshot.device_state)
+
+
+class _CpuDeviceStream:
+    """NOTE [ RNG streams ], rule 6: on cpu, the state CUDA's default generator would hold.
+
+    ``state`` is None until the stream is seeded (draws then come from the CPU generator, as
+    before); ``depth`` counts the :func:`device_rng` blocks that have it loaded now.
+    """
+
+    __slots__ = ("state", "depth")
+
+    def __init__(self) -> None:
+        self.state: torch.Tensor | None = None
+        self.depth = 0
+
+
+_CPU_DEVICE_STREAM = _CpuDeviceStream()
+
+
+def _device_stream_apart() -> bool:
+    """True on cpu when the device stream is held apart from the CPU generator right now (it is
+    seeded, and no fork or device_rng block has loaded a stream into the CPU generator)."""
+    stream = _CPU_DEVICE_STREAM
+    if stream.state is None or stream.depth or device.device_type() != "cpu":
+        return False
+    return getattr(_CUDA_RNG_STATE_TRACKER, "_active", None) is None
+
+
+@contextlib.contextmanager
+def device_rng() -> Iterator[None]:
+    """Draws inside the block come from the device stream (NOTE [ RNG streams ], rule 6).
+
+    On cpu, with the device stream kept apart, loads it into the CPU generator for the block and
+    stores the advanced state back on exit (also when the body raises); host draws outside the
+    block never move it. On cuda, before the stream is seeded, or inside a fork (which has its
+    own stream loaded), it does nothing: the draws already come from the right generator.
+    """
+    if not _device_stream_apart():
+        yield
+        return
+    stream, gen = _CPU_DEVICE_STREAM, torch.default_generator
+    host = gen.get_state()
+    gen.set_state(stream.state)
+    stream.depth += 1
+    try:
+        yield
+    finally:
+        stream.depth -= 1
+        stream.state = gen.get_state()
+        gen.set_state(host)
+
+
+def get_device_rng_state() -> torch.Tensor:
+    """A copy of the device stream's state: the current GPU generator's on cuda; on cpu the
+    stream kept apart (NOTE [ RNG streams ], rule 6), else the CPU generator's."""
+    if _device_stream_apart():
+        return _CPU_DEVICE_STREAM.state.clone()
+    return device.get_rng_state()
+
+
+def device_state_beside(cpu_state: torch.Tensor) -> torch.Tensor:
+    """The device stream's state for a snapshot whose CPU generator state is ``cpu_state``:
+    ``cpu_state`` itself on cpu while the two are one generator (so a snapshot holds it once),
+    else a copy from :func:`get_device_rng_state`."""
+    if device.device_type() == "cpu" and not _device_stream_apart():
+        return cpu_state
+    return get_device_rng_state()
+
+
+def set_device_rng_state(state: torch.Tensor) -> None:
+    """Set the device stream's state from ``state`` (as returned by get_device_rng_state)."""
+    if _device_stream_apart():
+        _CPU_DEVICE_STREAM.state = torch.as_tensor(state, dtype=torch.uint8).clone()
+    else:
+        device.set_rng_state(state)
+
+
+def device_manual_seed(seed: int) -> None:
+    """Seed the device stream with ``seed``: the current GPU's generator on cuda; on cpu the
+    stream kept apart from the CPU generator from now on (NOTE [ RNG streams ], rule 6), or the
+    stream a fork has loaded. The CPU generator's host draws are not touched."""
+    if device.device_type() != "cpu":
+        device.manual_seed(seed)
+        return
+    stream = _CPU_DEVICE_STREAM
+    if stream.depth or getattr(_CUDA_RNG_STATE_TRACKER, "_active", None) is not None:
+        torch.default_generator.manual_seed(int(seed))  # the loaded stream
+        return
+    gen = torch.Generator()
+    gen.manual_seed(int(seed))
+    stream.state = gen.get_state()
+
+
+def keep_device_stream_apart(enabled: bool) -> None:
+    """Start (from the CPU generator's current state) or stop keeping the cpu device stream
+    apart (NOTE [ RNG streams ], rule 6). The switch's CPU mode starts it; a test harness stops
+    it between tasks. Starting an already kept stream changes nothing."""
+    stream = _CPU_DEVICE_STREAM
+    if not enabled:
+        stream.state = None
+    elif stream.state is None:
+        stream.state = torch.default_generator.get_state()

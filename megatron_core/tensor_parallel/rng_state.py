@@ -21,6 +21,7 @@ from megatron_core.tensor_parallel.random import (
     _EXPERT_PARALLEL_RNG_TRACKER_NAME,
     _MODEL_PARALLEL_RNG_TRACKER_NAME,
     RNGSnapshot,
+    device_rng,
     get_cuda_rng_tracker,
     get_rng_snapshot,
     set_rng_snapshot,
@@ -79,7 +80,8 @@ def _draw_all(num_draws: int) -> torch.Tensor:
     dev = device.current_device()
     snapshot = get_rng_snapshot()
     try:
-        rows[0] = torch.rand(num_draws, dtype=torch.float64, device=dev).cpu()
+        with device_rng():  # the default stream is the device stream (NOTE rule 6)
+            rows[0] = torch.rand(num_draws, dtype=torch.float64, device=dev).cpu()
         for i, name in enumerate(_STREAMS[1:], start=1):
             if name in tracker.states_:
                 with tracker.fork(name):

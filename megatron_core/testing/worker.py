@@ -197,9 +197,13 @@ def _reset_process_state() -> str | None:
 
         parallel_state.destroy_model_parallel()  # also drops set_* overrides made without init
         try:
-            from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
+            from megatron_core.tensor_parallel.random import (
+                get_cuda_rng_tracker,
+                keep_device_stream_apart,
+            )
 
             get_cuda_rng_tracker().reset()
+            keep_device_stream_apart(False)  # draws come from the CPU generator again
         except (ImportError, AttributeError):
             pass
         device.set_device_type(None)

@@ -2,8 +2,11 @@
 
 # NOTE [ Dropout streams ]
 1. Replicated activations (the hidden states between layers without sequence parallelism: the
-   same [s, b, h] on every TP rank) get their dropout from the default generator, which is equal
-   across a TP group, so every rank drops the same units and the replicas stay equal.
+   same [s, b, h] on every TP rank) get their dropout from the device stream inside
+   ``device_rng()``, which is equal across a TP group, so every rank drops the same units and
+   the replicas stay equal. On cpu that stream is kept apart from the CPU generator, so a host
+   draw that only some TP ranks make (a data loader on TP rank 0) cannot move it
+   (NOTE [ RNG streams ], rule 6).
 2. Split activations get their dropout inside ``get_cuda_rng_tracker().fork()``
    ("model-parallel-rng", distinct per TP rank): the attention probabilities (split by heads)
    and, under sequence parallelism, the hidden states themselves ([s/tp, b, h], each rank its
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_core.tensor_parallel.random import device_rng, get_cuda_rng_tracker
 from megatron_core.tensor_parallel.recompute import (
     CheckpointWithoutOutput,
     checkpoint,
@@ -63,7 +66,7 @@ def make_layer_norm(config: TransformerConfig) -> torch.nn.LayerNorm:
 
 def dropout_rng_context(config: TransformerConfig) -> contextlib.AbstractContextManager:
     """Where dropout on hidden states draws from: see NOTE [ Dropout streams ], rules 1-3."""
-    return get_cuda_rng_tracker().fork() if config.sequence_parallel else contextlib.nullcontext()
+    return get_cuda_rng_tracker().fork() if config.sequence_parallel else device_rng()
 
 
 class TransformerLayer(torch.nn.Module):

@@ -310,3 +310,51 @@ def load_checkpoint(run: Run, directory: str) -> dict:
     model.load_state_dict(state)
     names = _layer_names(model)
     return {names[n]: full_tensor(p, p) for n, p in model.named_parameters()}
+
+
+def replica_spread(model: torch.nn.Module, group) -> dict[str, bool]:
+    """Parameter name -> whether this replicated (not TP-sharded) parameter is bitwise the same
+    on every rank of ``group``."""
+    same = {}
+    for name, param in model.named_parameters():
+        if getattr(param, "tensor_model_parallel", False):
+            continue
+        parts = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, param.detach().contiguous(), group=group)
+        same[name] = all(torch.equal(part, parts[0]) for part in parts)
+    return same
+
+
+def rank0_data_path_draw(tp_rank: int) -> None:
+    """What Megatron-LM's data path draws on TP rank 0 only (pretrain_gpt builds the data
+    iterator there and broadcasts batches): a shuffling DataLoader's iterator takes its seed from
+    the CPU generator."""
+    if tp_rank == 0:
+        next(iter(torch.utils.data.DataLoader(range(4), shuffle=True)))
+
+
+def replicas_after_host_draws(run: Run, apart: bool) -> dict[str, bool]:
+    """``run.steps`` SGD steps of megatron-core's GPTModel, direct forward and backward, with a
+    host draw on TP rank 0 before each; returns :func:`replica_spread` of the result. With
+    ``apart=False`` the CPU generator serves dropout too (the device stream is not kept apart:
+    NOTE [ RNG streams ], rule 6), which is how the replicas drift."""
+    initialize(run)
+    from megatron.core import parallel_state
+
+    from megatron_core.tensor_parallel.random import keep_device_stream_apart
+
+    if not apart:
+        keep_device_stream_apart(False)
+    model = build_model(run)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for step in range(run.steps):
+        rank0_data_path_draw(tp_rank)
+        data = batch(step)
+        optimizer.zero_grad()
+        output = model(
+            data["input_ids"], data["position_ids"], data["attention_mask"], labels=data["labels"]
+        )
+        output.float().mean().backward()
+        optimizer.step()
+    return replica_spread(model, parallel_state.get_tensor_model_parallel_group())

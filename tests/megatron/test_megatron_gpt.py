@@ -19,7 +19,7 @@ from megatron_core.testing import run_distributed
 if megatron_core_version() is None:  # checked without importing megatron in the test process
     pytest.skip("megatron-core is not installed (the [megatron] extra)", allow_module_level=True)
 
-from _megatron_gpt import Run, initial_state, train  # noqa: E402
+from _megatron_gpt import Run, initial_state, replicas_after_host_draws, train  # noqa: E402
 
 TIMEOUT = 240
 DENSE = Run(microbatches=2)
@@ -107,3 +107,16 @@ def test_moe_layer_expert_parallel_2_matches_1(expert_bias, dispatcher):
         assert bias.abs().sum() > 0  # it moved
     run = dataclasses.replace(moe, ep=2)
     _assert_runs_equal(reference, run_distributed(train, 2, run, start, timeout=TIMEOUT))
+
+
+def test_host_draws_on_tp_rank_0_leave_the_replicas_equal():
+    # megatron-core's GPTModel, TP=2, dropout on, 10 steps with a shuffling DataLoader's seed
+    # draw on TP rank 0 only (Megatron-LM's data path): every replicated parameter (layer norms,
+    # position embeddings, row-parallel biases) stays bitwise equal across the TP ranks, because
+    # dropout draws from the device stream, kept apart from host draws (NOTE [ RNG streams ],
+    # rule 6). With the CPU generator serving both, the same program drifts.
+    run = Run(tp=2, dropout=0.1, steps=10)
+    for same in run_distributed(replicas_after_host_draws, 2, run, True, timeout=TIMEOUT):
+        assert same and all(same.values()), [n for n, ok in same.items() if not ok]
+    drifted = run_distributed(replicas_after_host_draws, 2, run, False, timeout=TIMEOUT)[0]
+    assert not all(drifted.values())

@@ -228,8 +228,54 @@ def test_snapshot_is_reusable_and_immutable(dev):
         same(state, held[name])
     with pytest.raises(TypeError):
         snapshot.tracker_states[MP] = held[MP]  # read-only mapping
-    if dev == "cpu":  # one generator: stored once, restored once
+    # On cpu the device stream is kept apart once seeded (NOTE [ RNG streams ], rule 6), so
+    # the snapshot holds it beside the CPU generator's state, as on cuda.
+    assert snapshot.device_state is not snapshot.cpu_state
+
+
+def test_one_cpu_generator_is_stored_once_before_seeding(dev):
+    snapshot = tp_random.get_rng_snapshot()
+    if dev == "cpu":  # not seeded: one generator serves both, stored once and restored once
         assert snapshot.device_state is snapshot.cpu_state
+
+
+def device_draw():
+    with tp_random.device_rng():
+        return draw()
+
+
+def test_device_stream_is_apart_from_host_draws(dev):
+    # NOTE [ RNG streams ], rule 6: host draws never move the device stream (on cuda they are
+    # another generator; on cpu the stream is kept apart from the CPU generator).
+    tracker = seeded()
+    first = device_draw()
+    seeded()
+    torch.rand(7)  # a host draw, e.g. a data loader's seed on TP rank 0 only
+    same(device_draw(), first)
+    snapshot = tp_random.get_rng_snapshot()  # replays both
+    device_next, host_next = device_draw(), torch.rand(3)
+    tp_random.set_rng_snapshot(snapshot)
+    same(device_draw(), device_next)
+    same(torch.rand(3), host_next)
+    state = tp_random.get_device_rng_state()
+    again = device_draw()
+    tp_random.set_device_rng_state(state)
+    same(device_draw(), again)
+    tp_random.device_manual_seed(5)
+    same(device_draw(), reference(5))
+    with tracker.fork():  # inside a fork the forked stream serves device draws
+        same(device_draw(), reference(SEED + 2718))
+    # A checkpoint's recompute replays the dropout mask although the host drew in between.
+    x = torch.ones(64, device=device.current_device(), requires_grad=True)
+    out = tp_random.checkpoint(_device_dropout, False, x)
+    torch.rand(5)
+    out.sum().backward()
+    same(x.grad, out.detach())  # x is ones: the gradient is the forward's mask times 2
+
+
+def _device_dropout(t):
+    with tp_random.device_rng():
+        return F.dropout(t, 0.5)
 
 
 def test_snapshot_inside_fork_replays_the_in_flight_stream(dev):

@@ -14,9 +14,11 @@ from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import (
     allreduce_sequence_parallel_grads,
+    broadcast_data,
     gather_from_tensor_model_parallel_region,
     model_parallel_cuda_manual_seed,
 )
+from megatron_core.tensor_parallel.random import keep_device_stream_apart
 from megatron_core.tensor_parallel.recompute.memory import count_saved_activations
 from megatron_core.testing import run_distributed
 from megatron_core.transformer import GPTModel, TransformerConfig, scaled_init_method_normal
@@ -140,6 +142,50 @@ def test_tp2_model_matches_tp1(sequence_parallel):
             assert len(result["marked"]) == 1 + 2 + 2 * (4 + 2)
         else:
             assert result["marked"] == []
+
+
+def _replicas_after_rank0_data_path(apart):
+    """10 SGD steps of the TP=2 GPT with dropout on, its batches loaded on TP rank 0 only (a
+    shuffling DataLoader, whose iterator draws a seed from the CPU generator) and broadcast;
+    whether each replicated parameter is bitwise the same on both ranks afterwards. ``apart``
+    False: the CPU generator serves dropout too (NOTE [ RNG streams ], rule 6)."""
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(11)
+    if not apart:
+        keep_device_stream_apart(False)
+    model = GPTModel(_config(2, dropout=0.1), VOCAB, SEQ)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    tokens, labels = _batch()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    for _ in range(10):
+        data = None
+        if rank == 0:
+            loader = torch.utils.data.DataLoader(
+                list(zip(tokens, labels)), batch_size=BATCH, shuffle=True
+            )
+            batch = next(iter(loader))
+            data = {"tokens": batch[0], "labels": batch[1]}
+        data = broadcast_data(["tokens", "labels"], data, torch.int64)
+        optimizer.zero_grad()
+        model(data["tokens"], data["labels"]).mean().backward()
+        optimizer.step()
+    group = parallel_state.get_tensor_model_parallel_group()
+    same = {}
+    for name, param in model.named_parameters():
+        if not getattr(param, "tensor_model_parallel", False):
+            parts = [torch.empty_like(param) for _ in range(2)]
+            torch.distributed.all_gather(parts, param.detach(), group=group)
+            same[name] = torch.equal(parts[0], parts[1])
+    return same
+
+
+def test_rank0_data_path_leaves_the_replicas_equal():
+    # Replicated parameters (layer norms, position embeddings, row-parallel biases) stay
+    # bitwise equal across TP ranks over 10 steps with dropout on, although only TP rank 0
+    # draws on the host; with the CPU generator serving dropout too, they drift.
+    for same in run_distributed(_replicas_after_rank0_data_path, 2, True):
+        assert len(same) >= 10 and all(same.values()), [n for n, ok in same.items() if not ok]
+    assert not all(run_distributed(_replicas_after_rank0_data_path, 2, False)[0].values())
 
 
 def _causal_and_errors():

@@ -21,8 +21,10 @@ from megatron_core import consistency, device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.random import (
     RNGSnapshot,
+    device_state_beside,
     get_cuda_rng_tracker,
     get_rng_snapshot,
+    set_device_rng_state,
     set_rng_snapshot,
 )
 from megatron_core.tensor_parallel.recompute.determinism import (  # noqa: F401 (re-exports)
@@ -336,8 +338,7 @@ def _rng_snapshot() -> RNGSnapshot:
         if same and all(sources[k] is v for k, v in states.items()):
             kind = device.device_type()
             cpu_state = torch.get_rng_state()
-            device_state = cpu_state if kind == "cpu" else device.get_rng_state()
-            return RNGSnapshot(kind, cpu_state, device_state, copies, None)
+            return RNGSnapshot(kind, cpu_state, device_state_beside(cpu_state), copies, None)
     snapshot = get_rng_snapshot()
     _TRACKER_COPIES[:] = [(tracker, dict(states), snapshot.tracker_states)]
     return snapshot
@@ -401,14 +402,15 @@ def _stash_rng() -> Callable[[], None]:
         snapshot = get_rng_snapshot()
         return lambda: set_rng_snapshot(snapshot)
     cpu_state = torch.get_rng_state()
-    device_state = None if device.device_type() == "cpu" else device.get_rng_state()
+    device_state = device_state_beside(cpu_state)  # NOTE [ RNG streams ], rule 6
     active, initialized = tracker._active, tracker._is_initialized
 
     def restore() -> None:
-        torch.set_rng_state(cpu_state)
-        if device_state is not None:
-            device.set_rng_state(device_state)
+        # The active stream first: it decides where the device stream lives (rule 6).
         tracker.states_, tracker._active, tracker._is_initialized = states, active, initialized
+        torch.set_rng_state(cpu_state)
+        if device_state is not cpu_state:
+            set_device_rng_state(device_state)
 
     return restore
 
