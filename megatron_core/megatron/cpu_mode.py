@@ -53,10 +53,25 @@ by ``megatron_core.megatron.install``; every name it answers is in :data:`ANSWER
    never there on a CPU) gets the value megatron-core's later releases give it there, when the
    module is imported or, if it already is, when the mode turns on. A name the module defines is
    left alone; :func:`disable` removes only what the mode added.
+9. Megatron-LM's training script. Megatron-LM's ``pretrain_gpt.py`` (its ``megatron.training``
+   and ``megatron.legacy`` packages, which are on no package index) asks for a GPU where no
+   megatron-core module does. The mode answers each such wall where it is asked, and only there:
+   the functions of :data:`ADAPTED` are wrapped when their module is imported (or at once, if it
+   already is): ``initialize_megatron`` no longer asserts ``torch.cuda.is_available()`` (its own
+   ``allow_no_cuda`` defaults to True), ``compile_helpers`` builds nothing where the prebuilt
+   dataset extension a megatron-core wheel ships imports, and the legacy ``fused_kernels.load``
+   does nothing without a CUDA toolkit (that release builds no kernel; it only asks nvcc for
+   its version). ``torch.cuda.get_device_properties`` answers an Ampere-like device (rule 5)
+   with the fields Megatron and torch's inductor read, and ``CUDA_DEVICE_MAX_CONNECTIONS`` is
+   set to 1 where it is unset (Megatron-LM asserts it under tensor or context parallelism on
+   devices before Blackwell). :func:`disable` puts every original back and unsets what the
+   mode set.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.abc
 import inspect
 import os
@@ -76,8 +91,10 @@ __all__ = [
     "ENV",
     "ANSWERED",
     "COMPLETED",
+    "ADAPTED",
     "CpuStream",
     "CpuEvent",
+    "CpuDeviceProperties",
     "wanted",
     "configure",
     "enable",
@@ -103,6 +120,8 @@ ANSWERED: dict[str, str] = {
     "torch.cuda.Stream": "CpuStream (a torch.cpu.Stream; complete at once)",
     "torch.cuda.stream": "context that makes a CpuStream current",
     "torch.cuda.Event": "CpuEvent (complete at once; elapsed_time from the wall clock)",
+    "torch.cuda.get_device_properties": "an Ampere-like device: major 8, minor 0, name, "
+    "gcnArchName '', total_memory (the host's), multi_processor_count (the CPUs)",
     "torch.cuda.manual_seed": "seeds the device stream, kept apart from the CPU generator",
     "torch.cuda.manual_seed_all": "seeds the device stream, kept apart from the CPU generator",
     "torch.cuda.get_rng_state": "the device stream's state",
@@ -120,6 +139,14 @@ ANSWERED: dict[str, str] = {
     "megatron.core.transformer.moe.moe_utils.te_general_gemm": "None where the module left it "
     "undefined (megatron-core 0.16.1 without Transformer Engine), so the MoE router's gating "
     "takes its torch path",
+    "megatron.training.initialize.initialize_megatron": "allow_no_cuda defaults to True "
+    "(Megatron-LM's pretrain() never passes it; initialize.py asserts CUDA without it)",
+    "megatron.core.datasets.utils.compile_helpers": "builds nothing where the prebuilt "
+    "megatron.core.datasets.helpers_cpp imports (a wheel ships it but no Makefile)",
+    "megatron.legacy.fused_kernels.load": "does nothing without a CUDA toolkit (CUDA_HOME is "
+    "None; the release only reads nvcc's version)",
+    "CUDA_DEVICE_MAX_CONNECTIONS": "set to 1 where unset (Megatron-LM's arguments.py asserts it "
+    "under tensor or context parallelism before Blackwell)",
 }
 
 # NOTE rule 8: megatron-core module -> {name: value} the mode defines where the module did not.
@@ -129,10 +156,67 @@ COMPLETED: dict[str, dict[str, object]] = {
     "megatron.core.transformer.moe.moe_utils": {"te_general_gemm": None},
 }
 
+
+def _allow_no_cuda(original):
+    """NOTE rule 9: Megatron-LM's initialize_megatron with allow_no_cuda defaulting to True."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def initialize_megatron(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        bound.arguments.setdefault("allow_no_cuda", True)
+        return original(*bound.args, **bound.kwargs)
+
+    return initialize_megatron
+
+
+def _prebuilt_helpers(original):
+    """NOTE rule 9: compile_helpers that builds nothing where the prebuilt extension imports."""
+
+    @functools.wraps(original)
+    def compile_helpers():
+        try:
+            importlib.import_module("megatron.core.datasets.helpers_cpp")
+        except ImportError:
+            return original()
+        return None
+
+    return compile_helpers
+
+
+def _no_nvcc(original):
+    """NOTE rule 9: the legacy fused-kernel probe, a no-op without a CUDA toolkit."""
+
+    @functools.wraps(original)
+    def load(args):
+        from torch.utils import cpp_extension
+
+        if cpp_extension.CUDA_HOME is None:
+            return None
+        return original(args)
+
+    return load
+
+
+# NOTE rule 9: module -> {function name: adapter(original) -> the wrapped function}.
+ADAPTED: dict[str, dict[str, object]] = {
+    "megatron.training.initialize": {"initialize_megatron": _allow_no_cuda},
+    "megatron.core.datasets.utils": {"compile_helpers": _prebuilt_helpers},
+    "megatron.legacy.fused_kernels": {"load": _no_nvcc},
+}
+_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
 TRUE_VALUES = ("1", "true", "yes", "on")  # of an environment variable, lower-cased
 _FALSE = ("0", "false", "no", "off")
 _CPU = torch.device("cpu")
-_STATE: dict = {"mode": None, "originals": {}, "warned": False, "finder": None, "added": []}
+_STATE: dict = {
+    "mode": None,
+    "originals": {},
+    "warned": False,
+    "finder": None,
+    "added": [],
+    "env_set": False,
+}
 
 
 def _names_cuda(where) -> bool:
@@ -369,6 +453,7 @@ def _stand_ins() -> dict[tuple[object, str], object]:
         (cuda, "Stream"): CpuStream,
         (cuda, "stream"): _stream,
         (cuda, "Event"): CpuEvent,
+        (cuda, "get_device_properties"): lambda device=None: CpuDeviceProperties(),
         (cuda, "manual_seed"): _seed,
         (cuda, "manual_seed_all"): _seed,
         (cuda, "get_rng_state"): lambda device="cuda": tp_random.get_device_rng_state(),
@@ -379,11 +464,41 @@ def _stand_ins() -> dict[tuple[object, str], object]:
 
 
 def _complete(module) -> None:
-    """Define :data:`COMPLETED`'s names that ``module`` left undefined (NOTE rule 8)."""
+    """Define :data:`COMPLETED`'s names that ``module`` left undefined (NOTE rule 8) and wrap
+    :data:`ADAPTED`'s functions (NOTE rule 9)."""
     for name, value in COMPLETED.get(module.__name__, {}).items():
         if not hasattr(module, name):
             setattr(module, name, value)
             _STATE["added"].append((module, name))
+    originals = _STATE["originals"]
+    for name, adapter in ADAPTED.get(module.__name__, {}).items():
+        original = getattr(module, name, None)
+        if callable(original) and (module, name) not in originals:
+            originals[(module, name)] = original
+            setattr(module, name, adapter(original))
+
+
+class CpuDeviceProperties:
+    """What ``torch.cuda.get_device_properties`` answers in CPU mode (NOTE rule 9): an
+    Ampere-like device (compute capability 8.0), so code that picks a path by architecture
+    takes the one for GPUs before Hopper, with the fields Megatron and torch's inductor read."""
+
+    def __init__(self) -> None:
+        self.name = "CPU (megatron_core CPU mode)"
+        self.major, self.minor = 8, 0
+        self.gcnArchName = ""
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        self.total_memory = int(pages) * int(page_size)
+        self.multi_processor_count = os.cpu_count() or 1
+        self.is_integrated = False
+        self.is_multi_gpu_board = False
+
+    def __repr__(self) -> str:
+        return (
+            f"CpuDeviceProperties(name={self.name!r}, major={self.major}, minor={self.minor}, "
+            f"total_memory={self.total_memory // 2**20}MB, "
+            f"multi_processor_count={self.multi_processor_count})"
+        )
 
 
 class _CompletingLoader(importlib.abc.Loader):
@@ -404,11 +519,11 @@ class _CompletingLoader(importlib.abc.Loader):
 
 
 class _CompletingFinder(importlib.abc.MetaPathFinder):
-    """Finds :data:`COMPLETED`'s modules through the rest of ``sys.meta_path`` and wraps their
-    loader in a :class:`_CompletingLoader`."""
+    """Finds :data:`COMPLETED`'s and :data:`ADAPTED`'s modules through the rest of
+    ``sys.meta_path`` and wraps their loader in a :class:`_CompletingLoader`."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in COMPLETED:
+        if fullname not in COMPLETED and fullname not in ADAPTED:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -469,9 +584,12 @@ def enable() -> None:
     finder = _CompletingFinder()
     sys.meta_path.insert(0, finder)
     _STATE["finder"] = finder
-    for name in COMPLETED:
+    for name in (*COMPLETED, *ADAPTED):
         if name in sys.modules:
             _complete(sys.modules[name])
+    if _MAX_CONNECTIONS not in os.environ:  # NOTE rule 9
+        os.environ[_MAX_CONNECTIONS] = "1"
+        _STATE["env_set"] = True
     tp_random.keep_device_stream_apart(True)  # NOTE rule 5
     mode = _CudaOnCpu()
     mode.__enter__()
@@ -496,6 +614,9 @@ def disable() -> None:
     finder, _STATE["finder"] = _STATE["finder"], None
     if finder in sys.meta_path:
         sys.meta_path.remove(finder)
+    if _STATE["env_set"]:
+        _STATE["env_set"] = False
+        os.environ.pop(_MAX_CONNECTIONS, None)
     added = _STATE["added"]
     while added:
         module, name = added.pop()
