@@ -128,10 +128,12 @@ def test_pytest_plugin_runs_a_megatron_suite_on_gloo_with_one_flag(tmp_path):
 @needs_megatron
 def test_python_m_runner_installs_the_switch_before_the_script(tmp_path):
     script = tmp_path / "user_script.py"
+    (tmp_path / "beside.py").write_text("NAME = 'beside'\n")  # as python script.py finds it
     script.write_text(
         "import sys\n"
+        "import beside\n"
         "from megatron.core import parallel_state\n"
-        "print(parallel_state.__name__, sys.argv[1:])\n"
+        "print(parallel_state.__name__, sys.argv[1:], beside.NAME)\n"
     )
     result = subprocess.run(
         [sys.executable, "-m", "megatron_core.megatron", str(script), "--tp", "2"],
@@ -140,4 +142,24 @@ def test_python_m_runner_installs_the_switch_before_the_script(tmp_path):
         timeout=240,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[0] == "megatron_core.parallel_state ['--tp', '2']"
+    assert result.stdout.split("\n")[0] == "megatron_core.parallel_state ['--tp', '2'] beside"
+    # A script in a Megatron-LM checkout, run from there: the installed megatron-core is the
+    # megatron.core that runs (the checkout's would shadow it first on the path); the checkout
+    # serves what no wheel ships.
+    checkout = tmp_path / "Megatron-LM"
+    for package in ("core", "training"):
+        (checkout / "megatron" / package).mkdir(parents=True)
+        (checkout / "megatron" / package / "__init__.py").write_text("")
+    (checkout / "pretrain.py").write_text(
+        f"import megatron.core, megatron.training\nwhere = {str(checkout)!r}\n"
+        "print(*(m.__file__.startswith(where) for m in (megatron.core, megatron.training)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_core.megatron", "pretrain.py"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=checkout,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == "False True"
