@@ -35,11 +35,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SCENARIOS=("$@")
 [ "${#SCENARIOS[@]}" -gt 0 ] || SCENARIOS=(tp1 tp2 pp2 tp2pp2 dp2 drop_tp2 full_dsa selective resume resume_tp2pp2)
 
-# A 4-layer GPT (hidden 64, 4 heads, sequence 32, vocabulary 128) on mock data, 6 iterations of a
-# global batch of 4; every fused kernel off (they need CUDA or Apex), local layers (no Transformer
-# Engine), constant learning rate, no evaluation (--eval-interval: Megatron leaves it None with
-# --eval-iters 0 and then divides by it).
-COMMON=(--transformer-impl local --mock-data --tokenizer-type NullTokenizer --vocab-size 128
+# A 4-layer GPT (hidden 64, 4 heads, sequence 32) on mock data, 6 iterations of a global batch
+# of 4. Vocabulary 200: Megatron pads it to a multiple of 128 x TP, and a NullTokenizer adds one
+# token under 0.16.1 and none under 0.19, so it is 256 at TP 1 and 2 alike (128 would stay 128 at
+# TP 1 under 0.19 and become 256 at TP 2: another model). Every fused kernel off (they need CUDA
+# or Apex), local layers (no Transformer Engine), constant learning rate, no evaluation
+# (--eval-interval: Megatron leaves it None with --eval-iters 0 and then divides by it).
+COMMON=(--transformer-impl local --mock-data --tokenizer-type NullTokenizer --vocab-size 200
   --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32
   --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 6
   --lr 1e-3 --lr-decay-style constant --seed 1234 --log-interval 1 --eval-iters 0

@@ -20,11 +20,15 @@ gradient 0. All arithmetic is fp32. With ``label_smoothing = 0`` it is plain cro
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
-from megatron_core import consistency, parallel_state
+from megatron_core import consistency
 from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state import get_tensor_model_parallel_group  # looked up per call
 from megatron_core.tensor_parallel.utils import VocabUtility
 
 __all__ = ["vocab_parallel_cross_entropy", "VocabParallelCrossEntropy"]
@@ -129,13 +133,21 @@ class VocabParallelCrossEntropy:
         return grad_input.mul_(grad_output.unsqueeze(-1))
 
 
+@contextlib.contextmanager
+def _local_errors(op: str, group) -> Iterator[None]:
+    """consistency.agreed_errors on a one-rank group: the block's error is raised as it is."""
+    yield
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy. Forward: a max all-reduce, then one sum all-reduce of per-token
     partial results (module doc). Backward: local, this rank's softmax minus the target terms."""
 
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, label_smoothing, ignore_index, group):
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        # The group's own size() and rank(): a process group, or an object megatron-core 0.19
+        # accepts in its place (its unit tests pass one with rank() and size()).
+        world_size, rank = group.size(), group.rank()
         partition = vocab_parallel_logits.size(-1)
         vocab_size = partition * world_size
         first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
@@ -147,7 +159,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ignored = target == ignore_index
         # Targets may differ between ranks (a user error): a rank that finds a bad one shares
         # it, so every rank raises and none waits in the all-reduce below (issue 15, point 2).
-        with consistency.agreed_errors("vocab_parallel_cross_entropy", group):
+        shared = world_size > 1  # one rank: nothing to share, and no exchange to make
+        agreed = consistency.agreed_errors if shared else _local_errors
+        with agreed("vocab_parallel_cross_entropy", group):
             if bool((((target < 0) | (target >= vocab_size)) & ~ignored).any()):
                 bad = target[((target < 0) | (target >= vocab_size)) & ~ignored]
                 raise MegatronCoreError(
@@ -239,12 +253,13 @@ def vocab_parallel_cross_entropy(
             "vocab_parallel_cross_entropy: tp_group and group name different groups; give one"
         )
     group = tp_group if group is None else group
-    group = parallel_state.get_tensor_model_parallel_group() if group is None else group
-    consistency.check_collective(
-        "vocab_parallel_cross_entropy", group, vocab_parallel_logits, content=target,
-        target_shape=tuple(target.shape), label_smoothing=label_smoothing,
-        ignore_index=ignore_index,
-    )  # fmt: skip
+    group = get_tensor_model_parallel_group() if group is None else group
+    if group.size() > 1:
+        consistency.check_collective(
+            "vocab_parallel_cross_entropy", group, vocab_parallel_logits, content=target,
+            target_shape=tuple(target.shape), label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
+        )  # fmt: skip
     _check(vocab_parallel_logits, target, label_smoothing)
     return _VocabParallelCrossEntropy.apply(
         vocab_parallel_logits, target, float(label_smoothing), int(ignore_index), group

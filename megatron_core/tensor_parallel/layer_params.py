@@ -45,6 +45,16 @@ _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
     "partition_dim": -1,
     "partition_stride": 1,
 }
+# What a copy carries besides those: megatron-core 0.19's optimizer marks expert weights
+# (expert_tp) and fused QKV weights (is_qkv, qkv_split_shapes), and a parameter's copy (a
+# master weight, a view) keeps them. Copied only where the source has them, so under 0.16.1
+# nothing changes; no default is set for them (0.19's readers use getattr).
+_COPIED_ATTRIBUTES = (
+    *_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS,
+    "expert_tp",
+    "is_qkv",
+    "qkv_split_shapes",
+)
 
 
 def param_is_not_tensor_parallel_duplicate(
@@ -97,8 +107,9 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tenso
 def copy_tensor_model_parallel_attributes(
     destination_tensor: torch.Tensor, source_tensor: torch.Tensor
 ) -> None:
-    """Copy the tensor-parallel attributes ``source_tensor`` has onto ``destination_tensor``."""
-    for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+    """Copy the tensor-parallel attributes ``source_tensor`` has onto ``destination_tensor``
+    (megatron-core 0.19's ``expert_tp``, ``is_qkv`` and ``qkv_split_shapes`` among them)."""
+    for name in _COPIED_ATTRIBUTES:
         if hasattr(source_tensor, name):
             setattr(destination_tensor, name, getattr(source_tensor, name))
 

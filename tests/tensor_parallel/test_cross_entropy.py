@@ -128,3 +128,27 @@ def _smoothing_definition():
     # torch's own convention (e / V on every class) differs: the test can tell them apart.
     torch_loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=eps)
     assert not torch.allclose(loss.mean(), torch_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_explicit_tp_group_is_used_instead_of_parallel_state(monkeypatch):
+    # megatron-core 0.19: vocab_parallel_cross_entropy(..., tp_group=g) reads the group's own
+    # rank() and size() (any object with them) and never asks parallel_state for one.
+    from megatron_core.tensor_parallel import cross_entropy
+
+    class OneRankGroup:
+        def rank(self):
+            return 0
+
+        def size(self):
+            return 1
+
+    def no_parallel_state():
+        raise AssertionError("an explicit tp_group must not read parallel_state")
+
+    monkeypatch.setattr(cross_entropy, "get_tensor_model_parallel_group", no_parallel_state)
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.5, -0.5, 1.0]])
+    target = torch.tensor([2, 0])
+    loss = vocab_parallel_cross_entropy(logits, target, tp_group=OneRankGroup())
+    torch.testing.assert_close(loss, F.cross_entropy(logits, target, reduction="none"))
+    with pytest.raises(AssertionError, match="must not read parallel_state"):
+        vocab_parallel_cross_entropy(logits, target)  # no group: parallel_state's, looked up

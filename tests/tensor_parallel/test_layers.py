@@ -479,6 +479,10 @@ def check_attributes(report, tp, rank):
     layers.copy_tensor_model_parallel_attributes(target, row.weight)
     got = (target.tensor_model_parallel, target.partition_dim, target.partition_stride)
     report.true("copy", got == (True, 1, 1))
+    row.weight.is_qkv, row.weight.qkv_split_shapes = True, [256, 64, 64]  # 0.19's fused QKV
+    layers.copy_tensor_model_parallel_attributes(target, row.weight)
+    report.true("copy keeps 0.19's QKV marks",
+                (target.is_qkv, target.qkv_split_shapes) == (True, [256, 64, 64]))  # fmt: skip
     report.raises(
         "set twice",
         lambda: layers.set_tensor_model_parallel_attributes(row.weight, True, 0, 1),
