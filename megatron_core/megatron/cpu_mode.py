@@ -44,7 +44,9 @@ by ``megatron_core.megatron.install``; every name it answers is in :data:`ANSWER
    that skip without CUDA still skip.
 6. Groups. ``init_process_group`` and ``new_group`` asked for NCCL (``"nccl"`` or a map such as
    ``"cuda:nccl,cpu:gloo"``) make a gloo group; the NCCL ``pg_options`` and a CUDA ``device_id``
-   that came with the request are dropped.
+   that came with the request are dropped. A ``new_group`` whose rank list differs between
+   ranks (which NCCL's lazy connection lets pass while the group is unused, and gloo's eager one
+   would wait on forever) raises on every rank, naming each rank's list.
 7. Off. :func:`disable` puts every replaced name back and takes the mode off the stack, wherever
    it is; turning the mode on twice pushes it once. The mode warns once per process when it is
    first turned on (a ``UserWarning`` naming how to turn it off).
@@ -85,6 +87,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_core import compat, device
 from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state import agreement
 from megatron_core.tensor_parallel import random as tp_random
 
 __all__ = [
@@ -420,6 +423,39 @@ def _set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
     tp_random.set_device_rng_state(new_state)
 
 
+def _same_ranks_everywhere(arguments: dict) -> None:
+    """NOTE rule 6: refuse, on every rank, a ``new_group`` whose rank list differs between ranks.
+
+    torch asks every rank to call ``new_group`` with the same ``ranks``. NCCL connects a group
+    lazily, at its first collective, so a program that passes each rank its own list (a group
+    per data-parallel replica, built from parallel_state's ranks) runs as long as it never uses
+    the group; gloo connects at once, and such a call would wait forever. One all-gather over
+    the world (every rank is inside ``new_group`` here) compares the lists first.
+
+    Raises:
+        MegatronCoreError: the lists differ (the message names each rank's list).
+    """
+    if arguments.get("use_local_synchronization") or not dist.is_initialized():
+        return  # only the members call it then: nothing to compare across the world
+    ranks = arguments.get("ranks")
+    text = "all ranks" if not ranks else repr(sorted(int(r) for r in ranks))
+    world = dist.group.WORLD
+    table = agreement.exchange([agreement.hash_text(text)], world)
+    if bool((table == table[0]).all()):
+        return
+    lists = agreement.exchange_text(text, world)
+    shown = "; ".join(f"rank {rank}: {listed}" for rank, listed in enumerate(lists[:8]))
+    more = f"; ... ({len(lists)} ranks)" if len(lists) > 8 else ""
+    raise MegatronCoreError(
+        f"CPU mode: torch.distributed.new_group was called with different rank lists on "
+        f"different ranks ({shown}{more}). torch asks every rank for the same list; NCCL, which "
+        f"connects a group only when it is first used, lets such a program run, but gloo "
+        f"connects at once and the call would wait forever. Create each group on every rank "
+        f"with the same list (as parallel_state does), or pass use_local_synchronization=True "
+        f"so that only a group's members call new_group"
+    )
+
+
 def _gloo_for_nccl(original):
     """``original`` (init_process_group / new_group) with NOTE rule 6 applied."""
     signature = inspect.signature(original)
@@ -433,6 +469,8 @@ def _gloo_for_nccl(original):
                 arguments["pg_options"] = None
         if _names_cuda(arguments.get("device_id")):
             arguments["device_id"] = None
+        if original.__name__ == "new_group":
+            _same_ranks_everywhere(arguments)
         return original(*bound.args, **bound.kwargs)
 
     make_group.__name__ = original.__name__

@@ -1,8 +1,9 @@
 """The switch's CPU mode (megatron_core/megatron/cpu_mode.py), one stand-in at a time.
 
 The mode changes process-wide state (torch.cuda's names, torch.distributed's group makers, the
-torch-function mode stack), and the pytest process is shared, so every test runs its code in a
-fresh Python process and reads back what it printed (JSON on the last line). No test patches
+torch-function mode stack), and the pytest process is shared, so every test that turns it on
+runs its code in a fresh Python process and reads back what it printed (JSON on the last line);
+a check that needs no mode turned on runs on the harness's ranks. No test patches
 torch or megatron-core to make the mode work; where a test fakes something (a GPU), it says so.
 """
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from megatron_core.megatron import cpu_mode, megatron_core_version
+from megatron_core.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_megatron = pytest.mark.skipif(
@@ -559,3 +561,31 @@ def test_device_count_is_the_local_world_size():
     before, count, available, error, unset, after = run_python(code, LOCAL_WORLD_SIZE="3")
     assert (before, count, available, unset, after) == (0, 3, False, 1, 0)
     assert "LOCAL_WORLD_SIZE='bad'" in error
+
+
+def _new_group_lists(rank_lists_by_rank):
+    """Each rank asks for its own list; returns what the CPU mode's check said (NOTE rule 6)."""
+    import torch.distributed as dist
+
+    ranks = rank_lists_by_rank[dist.get_rank()]
+    said = {}
+    for name, arguments in (
+        ("same", {"ranks": [0, 1]}),
+        ("local", {"ranks": ranks, "use_local_synchronization": True}),  # members only: skipped
+        ("own", {"ranks": ranks}),
+    ):
+        try:
+            cpu_mode._same_ranks_everywhere(arguments)
+            said[name] = "ok"
+        except Exception as exc:  # the refusal, the same on every rank
+            said[name] = str(exc)
+    return said
+
+
+def test_new_group_with_a_rank_list_per_rank_is_refused_on_every_rank():
+    # megatron-core 0.19's test_expert_all_gather_group passes each rank its expert-dp list:
+    # NCCL lets it pass (lazy), gloo would wait forever; the CPU mode raises on every rank.
+    for said in run_distributed(_new_group_lists, 2, [[0], [1]]):
+        assert said["same"] == "ok" and said["local"] == "ok"
+        assert "different rank lists" in said["own"]
+        assert "rank 0: [0]; rank 1: [1]" in said["own"]
