@@ -269,9 +269,11 @@ class CudaRNGStatesTracker:
             self.states_[outer_name] = outer_state  # See NOTE [ RNG streams ], rule 4
         self._set(gen, self.states_[name])
         self._active = name
+        _CPU_DEVICE_STREAM.depth += 1  # a stream is loaded: device_rng() leaves it (rule 6)
         try:
             yield
         finally:
+            _CPU_DEVICE_STREAM.depth -= 1
             self.states_[name] = self._get(gen)
             if outer_name is not None:  # the outer stream, advanced by any fork nested in it
                 outer_state = self.states_.get(outer_name, outer_state)
@@ -511,7 +513,8 @@ class _CpuDeviceStream:
     """NOTE [ RNG streams ], rule 6: on cpu, the state CUDA's default generator would hold.
 
     ``state`` is None until the stream is seeded (draws then come from the CPU generator, as
-    before); ``depth`` counts the :func:`device_rng` blocks that have it loaded now.
+    before); ``depth`` counts the blocks that have a stream loaded in the CPU generator now: the
+    :func:`device_rng` blocks and the forks of every tracker (the global one or a user's own).
     """
 
     __slots__ = ("state", "depth")

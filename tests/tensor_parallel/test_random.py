@@ -265,6 +265,10 @@ def test_device_stream_is_apart_from_host_draws(dev):
     same(device_draw(), reference(5))
     with tracker.fork():  # inside a fork the forked stream serves device draws
         same(device_draw(), reference(SEED + 2718))
+    own = tp_random.CudaRNGStatesTracker()  # so does a fork of a tracker of the user's own
+    own.add("mine", 77)
+    with own.fork("mine"):
+        same(device_draw(), reference(77))
     # A checkpoint's recompute replays the dropout mask although the host drew in between.
     x = torch.ones(64, device=device.current_device(), requires_grad=True)
     out = tp_random.checkpoint(_device_dropout, False, x)
