@@ -9,8 +9,9 @@ imports ``gpt_builders`` and ``model_provider`` from beside it).
 A script in a Megatron-LM checkout (its folder holds ``megatron/core/``) gets that folder at the
 *end* of ``sys.path`` instead, and the working directory is dropped from the front when it is
 that folder: the installed megatron-core, the release :func:`install` checked, is then the
-``megatron.core`` that runs, and the checkout serves only what no wheel ships
-(``megatron.training``, ``megatron.legacy``).
+``megatron.core`` that runs, and the checkout serves only what the installed release lacks
+(``megatron.training`` and ``megatron.legacy`` beside megatron-core 0.16.1's wheel; 0.19's wheel
+ships ``megatron.training`` itself).
 """
 
 import os

@@ -147,12 +147,12 @@ def test_python_m_runner_installs_the_switch_before_the_script(tmp_path):
     # megatron.core that runs (the checkout's would shadow it first on the path); the checkout
     # serves what no wheel ships.
     checkout = tmp_path / "Megatron-LM"
-    for package in ("core", "training"):
+    for package in ("core", "checkout_only"):  # (0.19's wheel ships megatron.training too)
         (checkout / "megatron" / package).mkdir(parents=True)
         (checkout / "megatron" / package / "__init__.py").write_text("")
     (checkout / "pretrain.py").write_text(
-        f"import megatron.core, megatron.training\nwhere = {str(checkout)!r}\n"
-        "print(*(m.__file__.startswith(where) for m in (megatron.core, megatron.training)))\n"
+        f"import megatron.core, megatron.checkout_only\nwhere = {str(checkout)!r}\n"
+        "print(*(m.__file__.startswith(where) for m in (megatron.core, megatron.checkout_only)))\n"
     )
     result = subprocess.run(
         [sys.executable, "-m", "megatron_core.megatron", "pretrain.py"],
