@@ -148,26 +148,64 @@ def set_current_microbatch(model: torch.nn.Module, microbatch_id: int) -> None:
             layer.transformer_layer.current_microbatch = microbatch_id
 
 
+def _scale(value, device: torch.device, what: str) -> torch.Tensor:
+    """A loss-scale hook's result as a size-1 tensor on ``device``."""
+    scale = torch.as_tensor(value, device=device)
+    if scale.numel() != 1:
+        raise MegatronCoreError(
+            f"forward_step_calc_loss: {what} must return a scalar or a size-1 tensor, "
+            f"got {scale.numel()} elements"
+        )
+    return scale.reshape(1)
+
+
 def _aux_loss_scale(config, output_tensor, cp_group_size: int, num_microbatches: int) -> None:
-    """megatron-core's MoE / MTP auxiliary-loss scale, set when its MoE / MTP modules are in use
-    (already imported: this package never imports megatron-core itself)."""
+    """megatron-core's auxiliary-loss scales (MoE router, MTP, and 0.19's experimental
+    attention variants such as DSA's indexer loss), set when their modules are in use (already
+    imported: this package never imports megatron-core itself).
+
+    Each scale is ``grad_scale_func(1)`` (1 without it), or 0.19's ``moe_grad_scale_func()`` /
+    ``mtp_grad_scale_func()`` where given; without per-token loss it is divided by the number of
+    microbatches, and for MoE and the attention variant multiplied by the CP size.
+    """
     import sys
 
-    moe, mtp = "megatron.core.transformer.moe.router", "megatron.core.transformer"
-    targets = (
-        ("num_moe_experts", moe, "MoEAuxLossAutoScaler", True),
-        ("mtp_num_layers", mtp + ".multi_token_prediction", "MTPLossAutoScaler", False),
-    )
-    for name, module_name, scaler_name, times_cp in targets:
-        module = sys.modules.get(module_name)
-        if option(config, name) is None or module is None:
-            continue
+    if isinstance(output_tensor, dict):  # 0.19: a dict of output tensors
+        output_tensor = next(iter(output_tensor.values()), None)
+    if not isinstance(output_tensor, torch.Tensor):
+        return
+    device = output_tensor.device
+    per_token = option(config, "calculate_per_token_loss", False)
+
+    def base(own_func: str | None) -> torch.Tensor:
+        func = option(config, own_func) if own_func else None
+        if func is not None:
+            return _scale(func(), device, own_func)
         scale_func = option(config, "grad_scale_func")
-        one = torch.ones(1, device=output_tensor.device)
-        scale = scale_func(one) if scale_func is not None else one
-        if not option(config, "calculate_per_token_loss", False):
-            scale = scale * (cp_group_size if times_cp else 1) / num_microbatches
-        getattr(module, scaler_name).set_loss_scale(scale)
+        one = torch.ones(1, device=device)
+        return _scale(scale_func(one), device, "grad_scale_func") if scale_func else one
+
+    def setter(module_name: str, attribute: str):
+        module = sys.modules.get(module_name)
+        return None if module is None else getattr(module, attribute).set_loss_scale
+
+    moe = setter("megatron.core.transformer.moe.router", "MoEAuxLossAutoScaler")
+    if option(config, "num_moe_experts") is not None and moe is not None:
+        scale = base("moe_grad_scale_func")
+        moe(scale if per_token else scale * cp_group_size / num_microbatches)
+    mtp = setter("megatron.core.transformer.multi_token_prediction", "MTPLossAutoScaler")
+    if option(config, "mtp_num_layers") is not None and mtp is not None:
+        scale = base("mtp_grad_scale_func")
+        mtp(scale if per_token else scale / num_microbatches)
+    variant = option(config, "experimental_attention_variant_loss_scale_func")
+    if variant is None and option(config, "experimental_attention_variant") == "dsa":
+        variant = setter(
+            "megatron.core.transformer.experimental_attention_variant.dsa",
+            "DSAIndexerLossAutoScaler",
+        )
+    if variant is not None:
+        scale = base(None)
+        variant(scale if per_token else scale * cp_group_size / num_microbatches)
 
 
 def forward_step_calc_loss(
@@ -217,8 +255,7 @@ def forward_step_calc_loss(
             cp_group_size,
             forward_data_store,
         )
-    if isinstance(output_tensor, torch.Tensor):
-        _aux_loss_scale(config, output_tensor, cp_group_size, num_microbatches)
+    _aux_loss_scale(config, output_tensor, cp_group_size, num_microbatches)
     return output_tensor, num_tokens
 
 
