@@ -68,6 +68,7 @@ path ``tensor_parallel.random.checkpoint``), from ``recompute/entry_points.py``.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -104,6 +105,10 @@ __all__ = [
     "convert_cuda_rng_state",
     "is_graph_safe_cuda_rng_tracker",
 ]
+
+# Whether Transformer Engine is importable (megatron-core's module-level name, which its unit tests
+# import from here); found without importing it.
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"

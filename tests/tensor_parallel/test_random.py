@@ -543,3 +543,10 @@ def _body_audit_inside_fork():
 def test_audit_inside_a_fork_is_refused_naming_the_stream():
     (message,) = run_distributed(_body_audit_inside_fork, 1, timeout=60)
     assert "audit_rng_streams called inside fork('data-parallel-rng')" in message
+
+
+def test_have_te_is_megatron_cores_module_name():
+    # megatron-core 0.19's unit tests import HAVE_TE from tensor_parallel.random.
+    import importlib.util
+
+    assert tp_random.HAVE_TE is (importlib.util.find_spec("transformer_engine") is not None)
