@@ -27,9 +27,11 @@ set -uo pipefail
 MLM="${1:?usage: scripts/check_megatron_lm.sh MEGATRON_LM_DIR [SCENARIO ...]}"
 shift
 [ -f "$MLM/pretrain_gpt.py" ] || { echo "no pretrain_gpt.py in $MLM"; exit 2; }
+MLM="$(cd "$MLM" && pwd)"  # absolute: the script runs from the package's root below
 PY="${PYTHON:-python}"
 OUT="${OUT:-$(mktemp -d -t megatron_lm_check.XXXXXX)}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SCENARIOS=("$@")

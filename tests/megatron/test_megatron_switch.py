@@ -163,3 +163,14 @@ def test_python_m_runner_installs_the_switch_before_the_script(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[0] == "False True"
+
+
+def test_check_megatron_lm_script_parses_and_names_a_missing_checkout(tmp_path):
+    # scripts/check_megatron_lm.sh runs Megatron-LM's pretrain_gpt.py from a user's checkout
+    # (none in CI): here it must parse, and refuse a folder without the script, naming it.
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "check_megatron_lm.sh")
+    assert subprocess.run(["bash", "-n", script], timeout=60).returncode == 0
+    result = subprocess.run(
+        ["bash", script, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and f"no pretrain_gpt.py in {tmp_path}" in result.stdout
