@@ -111,8 +111,10 @@ ENV = "MEGATRON_CORE_CUDA_ON_CPU"
 # tests/megatron/test_megatron_cpu_mode.py checks that the list, the README and the replaced
 # names agree).
 # torch.cuda.* and torch.distributed.* names are replaced attributes (NOTE rules 5 and 6); the
-# torch.Tensor / torch.nn.Module names are answered through the torch-function mode (rule 2); the
-# megatron.* names are module names the mode defines where megatron-core did not (rule 8).
+# torch.Tensor / torch.nn.Module / torch.nn.functional.dropout / torch.rand names are answered
+# through the torch-function mode (rules 2 and 5); the megatron.* names are module names the mode
+# defines where megatron-core did not (rule 8) or functions of Megatron-LM's training script it
+# wraps (rule 9, with CUDA_DEVICE_MAX_CONNECTIONS).
 ANSWERED: dict[str, str] = {
     "torch.cuda.current_device": "0 (an index the mode reads as the CPU)",
     "torch.cuda.set_device": "does nothing",
@@ -134,7 +136,8 @@ ANSWERED: dict[str, str] = {
     "torch.rand": "with a device naming CUDA, draws from the device stream (also randn, "
     "randint, randperm, normal)",
     "torch.distributed.init_process_group": "gloo where NCCL is asked for",
-    "torch.distributed.new_group": "gloo where NCCL is asked for",
+    "torch.distributed.new_group": "gloo where NCCL is asked for; a rank list that differs "
+    "between ranks raises on every rank (gloo would wait forever)",
     "torch.Tensor.to": "a device naming CUDA is the CPU",
     "torch.Tensor.cuda": "the tensor itself",
     "torch.Tensor.type": "a CPU tensor's type named as on CUDA (torch.cuda.FloatTensor)",

@@ -189,14 +189,16 @@ def _aux_loss_scale(config, output_tensor, cp_group_size: int, num_microbatches:
         module = sys.modules.get(module_name)
         return None if module is None else getattr(module, attribute).set_loss_scale
 
-    moe = setter("megatron.core.transformer.moe.router", "MoEAuxLossAutoScaler")
-    if option(config, "num_moe_experts") is not None and moe is not None:
-        scale = base("moe_grad_scale_func")
-        moe(scale if per_token else scale * cp_group_size / num_microbatches)
-    mtp = setter("megatron.core.transformer.multi_token_prediction", "MTPLossAutoScaler")
-    if option(config, "mtp_num_layers") is not None and mtp is not None:
-        scale = base("mtp_grad_scale_func")
-        mtp(scale if per_token else scale / num_microbatches)
+    if option(config, "num_moe_experts") is not None:
+        moe = setter("megatron.core.transformer.moe.router", "MoEAuxLossAutoScaler")
+        if moe is not None:
+            scale = base("moe_grad_scale_func")
+            moe(scale if per_token else scale * cp_group_size / num_microbatches)
+    if option(config, "mtp_num_layers") is not None:
+        mtp = setter("megatron.core.transformer.multi_token_prediction", "MTPLossAutoScaler")
+        if mtp is not None:
+            scale = base("mtp_grad_scale_func")
+            mtp(scale if per_token else scale / num_microbatches)
     variant = option(config, "experimental_attention_variant_loss_scale_func")
     if variant is None and option(config, "experimental_attention_variant") == "dsa":
         variant = setter(
