@@ -101,6 +101,8 @@ __all__ = [
     "set_device_rng_state",
     "device_manual_seed",
     "keep_device_stream_apart",
+    "get_generator_states",
+    "set_generator_states",
     "set_rng_snapshot",
     "convert_cuda_rng_state",
     "is_graph_safe_cuda_rng_tracker",
@@ -486,8 +488,7 @@ def get_rng_snapshot() -> RNGSnapshot:
     kind = device.device_type()
     tracker = get_cuda_rng_tracker()
     states = types.MappingProxyType(tracker.get_states())
-    cpu_state = torch.get_rng_state()
-    device_state = device_state_beside(cpu_state)
+    cpu_state, device_state = get_generator_states()
     return RNGSnapshot(kind, cpu_state, device_state, states, getattr(tracker, "_active", None))
 
 
@@ -509,9 +510,7 @@ def set_rng_snapshot(snapshot: RNGSnapshot) -> None:
     if hasattr(tracker, "_active"):  # See NOTE [ RNG streams ], rule 5
         tracker._active = snapshot.active_stream
     # The active stream first: it decides where the device stream lives (rule 6).
-    torch.set_rng_state(snapshot.cpu_state)  # set_state copies the tensor in
-    if snapshot.device_state is not snapshot.cpu_state:
-        set_device_rng_state(snapshot.device_state)
+    set_generator_states(snapshot.cpu_state, snapshot.device_state)
 
 
 class _CpuDeviceStream:
@@ -532,13 +531,19 @@ class _CpuDeviceStream:
 _CPU_DEVICE_STREAM = _CpuDeviceStream()
 
 
+def _stream_loaded() -> bool:
+    """True when a stream is loaded in the CPU generator now: inside a fork or a device_rng
+    block, or with the global tracker's active stream restored by a snapshot (a recompute)."""
+    active = getattr(_CUDA_RNG_STATE_TRACKER, "_active", None)
+    return bool(_CPU_DEVICE_STREAM.depth) or active is not None
+
+
 def _device_stream_apart() -> bool:
     """True on cpu when the device stream is held apart from the CPU generator right now (it is
-    seeded, and no fork or device_rng block has loaded a stream into the CPU generator)."""
-    stream = _CPU_DEVICE_STREAM
-    if stream.state is None or stream.depth or device.device_type() != "cpu":
+    seeded, and no stream is loaded in the CPU generator)."""
+    if _CPU_DEVICE_STREAM.state is None or device.device_type() != "cpu":
         return False
-    return getattr(_CUDA_RNG_STATE_TRACKER, "_active", None) is None
+    return not _stream_loaded()
 
 
 @contextlib.contextmanager
@@ -573,13 +578,22 @@ def get_device_rng_state() -> torch.Tensor:
     return device.get_rng_state()
 
 
-def device_state_beside(cpu_state: torch.Tensor) -> torch.Tensor:
-    """The device stream's state for a snapshot whose CPU generator state is ``cpu_state``:
-    ``cpu_state`` itself on cpu while the two are one generator (so a snapshot holds it once),
-    else a copy from :func:`get_device_rng_state`."""
+def get_generator_states() -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of (the CPU generator's state, the device stream's state), as a snapshot holds
+    them: one tensor twice on cpu while the two are one generator, so it is held and restored
+    once (NOTE [ RNG streams ], rule 6)."""
+    cpu_state = torch.get_rng_state()
     if device.device_type() == "cpu" and not _device_stream_apart():
-        return cpu_state
-    return get_device_rng_state()
+        return cpu_state, cpu_state
+    return cpu_state, get_device_rng_state()
+
+
+def set_generator_states(cpu_state: torch.Tensor, device_state: torch.Tensor) -> None:
+    """Restore what :func:`get_generator_states` returned. Restore the tracker's active stream
+    first: it decides where the device stream lives (rule 6)."""
+    torch.set_rng_state(cpu_state)  # set_state copies the tensor in
+    if device_state is not cpu_state:
+        set_device_rng_state(device_state)
 
 
 def set_device_rng_state(state: torch.Tensor) -> None:
@@ -597,13 +611,12 @@ def device_manual_seed(seed: int) -> None:
     if device.device_type() != "cpu":
         device.manual_seed(seed)
         return
-    stream = _CPU_DEVICE_STREAM
-    if stream.depth or getattr(_CUDA_RNG_STATE_TRACKER, "_active", None) is not None:
-        torch.default_generator.manual_seed(int(seed))  # the loaded stream
+    if _stream_loaded():
+        torch.default_generator.manual_seed(int(seed))
         return
     gen = torch.Generator()
     gen.manual_seed(int(seed))
-    stream.state = gen.get_state()
+    _CPU_DEVICE_STREAM.state = gen.get_state()
 
 
 def keep_device_stream_apart(enabled: bool) -> None:

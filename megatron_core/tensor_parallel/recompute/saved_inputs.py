@@ -21,10 +21,10 @@ from megatron_core import consistency, device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.random import (
     RNGSnapshot,
-    device_state_beside,
     get_cuda_rng_tracker,
+    get_generator_states,
     get_rng_snapshot,
-    set_device_rng_state,
+    set_generator_states,
     set_rng_snapshot,
 )
 from megatron_core.tensor_parallel.recompute.determinism import (  # noqa: F401 (re-exports)
@@ -336,9 +336,8 @@ def _rng_snapshot() -> RNGSnapshot:
         owner, sources, copies = _TRACKER_COPIES[0]
         same = owner is tracker and sources.keys() == states.keys()
         if same and all(sources[k] is v for k, v in states.items()):
-            kind = device.device_type()
-            cpu_state = torch.get_rng_state()
-            return RNGSnapshot(kind, cpu_state, device_state_beside(cpu_state), copies, None)
+            cpu_state, device_state = get_generator_states()
+            return RNGSnapshot(device.device_type(), cpu_state, device_state, copies, None)
     snapshot = get_rng_snapshot()
     _TRACKER_COPIES[:] = [(tracker, dict(states), snapshot.tracker_states)]
     return snapshot
@@ -401,16 +400,12 @@ def _stash_rng() -> Callable[[], None]:
     if not plain:
         snapshot = get_rng_snapshot()
         return lambda: set_rng_snapshot(snapshot)
-    cpu_state = torch.get_rng_state()
-    device_state = device_state_beside(cpu_state)  # NOTE [ RNG streams ], rule 6
+    cpu_state, device_state = get_generator_states()  # NOTE [ RNG streams ], rule 6
     active, initialized = tracker._active, tracker._is_initialized
 
     def restore() -> None:
-        # The active stream first: it decides where the device stream lives (rule 6).
         tracker.states_, tracker._active, tracker._is_initialized = states, active, initialized
-        torch.set_rng_state(cpu_state)
-        if device_state is not cpu_state:
-            set_device_rng_state(device_state)
+        set_generator_states(cpu_state, device_state)  # after the active stream (rule 6)
 
     return restore
 
