@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint  # a submodule torch < 2.7 does not import by itself
 
 from megatron_core.errors import MegatronCoreError
@@ -24,6 +25,10 @@ __all__ = [
     "checkpoint_early_stop_override",
     "redispatch_torch_function",
     "default_store",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "graph_safe_generators",
+    "CPU_STREAM_BASE",
 ]
 
 FLOOR = (2, 6)  # setup.py's torch>=2.6
@@ -113,3 +118,18 @@ def default_store():
         return getter() if getter is not None else None
     except (RuntimeError, ValueError):  # no default group
         return None
+
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
+# reduce_scatter_single (the old names warn there); the same call on every release.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# torch.cpu.Stream (torch >= 2.1 everywhere the floor runs; object where a build lacks it).
+CPU_STREAM_BASE = getattr(torch.cpu, "Stream", object)
+
+
+def graph_safe_generators() -> bool:
+    """Whether this torch's generators have graph-safe states (``Generator.graphsafe_get_state``,
+    which CUDA graphs need to capture draws)."""
+    return hasattr(torch.Generator, "graphsafe_get_state")

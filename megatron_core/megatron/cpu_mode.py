@@ -298,7 +298,7 @@ def _tensor_type(tensor, dtype=None, non_blocking=False, **kwargs):
 _AUTOGRAD_ENTRIES = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
 
 
-class CpuStream(getattr(torch.cpu, "Stream", object)):
+class CpuStream(compat.CPU_STREAM_BASE):
     """What ``torch.cuda.Stream`` is in CPU mode: the CPU runs work in order, so a stream is
     always complete and waiting on it or on an event returns at once.
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_core import device
+from megatron_core import compat, device
 from megatron_core.errors import CollectiveError, RankDisagreementError
 from megatron_core.parallel_state import deadline
 
@@ -35,8 +35,7 @@ __all__ = [
 
 SLOTS = 16  # int64 values per rank in every exchange
 _ARGUMENTS_MAGIC = 0x4D435F494E495431  # "MC_INIT1": a rank in another exchange shows as a mismatch
-# torch 2.13 renamed all_gather_into_tensor (the old name warns).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_single = compat.all_gather_single
 
 
 # Process-wide settings every rank must share, compared by every agree_on_arguments: name ->

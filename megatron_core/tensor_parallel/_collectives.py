@@ -37,14 +37,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_core import consistency, parallel_state
+from megatron_core import compat, consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.parallel_state import deadline
 from megatron_core.tensor_parallel.utils import split_tensor_along_last_dim
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = compat.all_gather_single
+_reduce_scatter_single = compat.reduce_scatter_single
 
 _HALF = (torch.float16, torch.bfloat16)
 _UPCAST_SUM_BACKENDS = ("gloo",)  # see NOTE [ Half-precision sums ], rule 1

@@ -76,7 +76,7 @@ from typing import Any
 
 import torch
 
-from megatron_core import device, parallel_state
+from megatron_core import compat, device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.rng_graphs import (  # megatron-core's import path
     convert_cuda_rng_state,
@@ -151,7 +151,7 @@ def _copy_state(state: Any) -> Any:
 
 
 def _graph_safe_supported() -> bool:
-    return device.is_accelerator() and hasattr(torch.Generator, "graphsafe_get_state")
+    return device.is_accelerator() and compat.graph_safe_generators()
 
 
 class CudaRNGStatesTracker:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megatron_core import device
+from megatron_core import compat, device
 from megatron_core.errors import MegatronCoreError
 
 __all__ = ["convert_cuda_rng_state", "is_graph_safe_cuda_rng_tracker"]
@@ -44,7 +44,7 @@ def convert_cuda_rng_state(
         return state.get_state() if isinstance(state, torch.Generator) else state
     if isinstance(state, torch.Generator):
         return state
-    if not (device.is_accelerator() and hasattr(torch.Generator, "graphsafe_get_state")):
+    if not (device.is_accelerator() and compat.graph_safe_generators()):
         raise MegatronCoreError(
             f"convert_cuda_rng_state(to_graphable=True) needs an accelerator with graph-safe "
             f"generators; device type is {device.device_type()!r}"

@@ -92,14 +92,10 @@ class VocabUtility:
 # 1-D equal chunks (the distributed saved activations of a checkpoint).
 # Used by checkpoint(distribute_saved_activations=True); see NOTE [ Checkpoint rules ], rule 3, in
 # tensor_parallel/recompute/entry_points.py.
-from megatron_core import consistency, parallel_state  # noqa: E402
+from megatron_core import compat, consistency, parallel_state  # noqa: E402
 from megatron_core.parallel_state import deadline  # noqa: E402
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
-_all_gather_1d = (
-    getattr(torch.distributed, "all_gather_single", None)
-    or torch.distributed.all_gather_into_tensor
-)
+_all_gather_1d = compat.all_gather_single
 
 
 def _group_size_rank(group) -> tuple[int, int]:
