@@ -1,4 +1,4 @@
-"""Our non-reentrant checkpoint against torch's, on issue 12's residual MLP model, one process.
+"""Our non-reentrant checkpoint against torch's, on a residual MLP model, one process.
 
 Run::
 

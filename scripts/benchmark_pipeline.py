@@ -5,7 +5,7 @@ Run (CPU, each pipeline size on that many gloo ranks)::
     python scripts/benchmark_pipeline.py                       # pp 1 2 4, vp none/2, m 8
     python scripts/benchmark_pipeline.py --pp 2 4 --microbatches 4 8 16 --forward-ms 20
     python scripts/benchmark_pipeline.py --bubble --forward-ms 200 --repeats 5 \
-        --plot benchmarks/pipeline_bubble.png   # idle share only, issue 23's cases
+        --plot benchmarks/pipeline_bubble.png   # idle share only
 
 ``--bubble`` times only sleeping chunks (below, point 2) for 1F1B and the interleaved schedule
 blocking, with ``overlap_p2p_comm`` and with ``overlap_p2p_comm_warmup_flush``, at pp=4 v=2 m=16

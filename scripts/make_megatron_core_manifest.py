@@ -65,7 +65,7 @@ EXCLUDED = {
     "tensor_parallel.gtp_api": "generalized TP (gtp_remat_size > 1)",
 }
 
-# The megatron.core.utils helpers the claimed modules import (issue 20, point 5), plus the
+# The megatron.core.utils helpers the claimed modules import, plus the
 # memory buffer parallel_state hands out.
 UTILS_HELPERS = (
     "GlobalMemoryBuffer",

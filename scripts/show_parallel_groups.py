@@ -79,7 +79,7 @@ def main() -> None:
         for r in rows:
             print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
     parallel_state.destroy_model_parallel()
-    # Exit cleanly (issue 13, point 6): no rank tears gloo down while a peer still has the last
+    # Exit cleanly: no rank tears gloo down while a peer still has the last
     # gather in flight (the barrier), the group is destroyed explicitly, and the interpreter's
     # finalizers never run over gloo's threads (os._exit; NOTE [ Clean exits ] in
     # megatron_core/training/launcher.py, rule 4).

@@ -7,10 +7,10 @@ modules of the folder they belong to (``_megatron_gpt`` and ``_megatron_ddp`` in
 ``_train_args`` in training/): those folders go on ``sys.path`` here, so a test anywhere imports
 them by name, and the harness hands the same path to its worker processes.
 
-The suite runs in check mode (megatron_core.consistency, issue 15): every collective first
+The suite runs in check mode (megatron_core.consistency): every collective first
 verifies that the ranks agree. Set before any worker starts, so every worker inherits it;
 ``MEGATRON_CORE_CHECK_CONSISTENCY=0 python -m pytest tests -q`` runs without it. Tests of the
-default mode (the check window, issue 22) force it in their per-rank bodies
+default mode (the check window) force it in their per-rank bodies
 (``consistency.check_mode("window")``) and assert that it is in force.
 """
 

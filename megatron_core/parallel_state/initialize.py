@@ -122,7 +122,8 @@ def initialize_model_parallel(
         )
     world_size = dist.get_world_size()
     # Validation is local, but its outcome is agreed over WORLD before anything else: a rank
-    # whose arguments are invalid must not leave the others waiting (issue 15, point 2).
+    # whose arguments are invalid must not leave the others waiting (NOTE [ Agree before
+    # acting ] in consistency/checks.py, rules 2 and 4).
     error, sizes, layout, options = None, None, None, None
     try:
         if _state().initialized:
@@ -207,7 +208,7 @@ def _validate_virtual_pipeline(vpp, pp) -> None:
 
 
 def _check_arguments_agree(arguments: dict, layout: dict | None, error: Exception | None) -> None:
-    """Every rank must pass the same arguments to initialize_model_parallel (issue 15).
+    """Every rank must pass the same arguments to initialize_model_parallel, or every rank raises.
 
     Runs after the local validation and layout (nothing collective yet) and before the first
     group is created. A rank that disagrees would build other groups and hang the others in

@@ -158,7 +158,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             label_smoothing = label_smoothing * vocab_size / max(vocab_size - 1, 1)
         ignored = target == ignore_index
         # Targets may differ between ranks (a user error): a rank that finds a bad one shares
-        # it, so every rank raises and none waits in the all-reduce below (issue 15, point 2).
+        # it, so every rank raises and none waits in the all-reduce below (NOTE [ Agree before
+        # acting ] in consistency/checks.py, rule 4).
         shared = world_size > 1  # one rank: nothing to share, and no exchange to make
         agreed = consistency.agreed_errors if shared else _local_errors
         with agreed("vocab_parallel_cross_entropy", group):

@@ -303,7 +303,7 @@ def _reentrant_checkpoint_no_grad_inputs(tp):
 class Case:
     body: Callable[[int], object]
     fragments: tuple[str, ...]  # the message names these (the op and the values)
-    always: bool = False  # also raises outside check mode (issue 15, point 2)
+    always: bool = False  # also raises outside check mode
     unchecked_fragments: tuple[str, ...] | None = None  # outside check mode, if they differ
     local: bool = False  # raised (or warned) by each rank alone: no group to name
     fresh: bool = False  # needs fresh worker processes (nothing in the group cache)
@@ -502,7 +502,7 @@ ISSUE_22_CASES = {
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_case_in_the_default_mode(name, tp):
-    """Every case, issue 22's included, ends in the default mode as in check mode."""
+    """Every case, the check window's included, ends in the default mode as in check mode."""
     _assert_agreed_error(name, tp, check="window")
 
 
@@ -544,7 +544,7 @@ def test_agreeing_ranks_pass(tp, check):
     assert results == [[(3,), (2, 3 * tp), (3,), (tp, 2), (3 * tp,), (3,)]] * tp
 
 
-# --- a dead peer (issue 15, point 3) -----------------------------------------------------------
+# --- a dead peer -----------------------------------------------------------------------------
 
 
 def _dead_peer(tp):

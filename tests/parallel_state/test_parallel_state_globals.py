@@ -1,5 +1,5 @@
 """parallel_state's megatron-core module globals (NOTE [ Module globals ]) and the caller's-order
-check of initialize_model_parallel (issue 20): 1, 2, 4 gloo ranks, and 8 for the rank layout."""
+check of initialize_model_parallel: 1, 2, 4 gloo ranks, and 8 for the rank layout."""
 
 import re
 from pathlib import Path

@@ -191,7 +191,7 @@ def check_row(report, tp, rank, dtype):
 
 
 def check_linear_function(report, tp, rank, dtype):
-    """The function with bias=None (issue 11's crash) and with the fused main_grad path."""
+    """The function with bias=None (it once crashed there) and with the fused main_grad path."""
     x, dy = randn(SEQ, BATCH, HIDDEN, seed=7), randn(SEQ, BATCH, FFN // tp, seed=8)
     weight = shard(full_weight(FFN, HIDDEN, SEED).to(device.current_device()), 0, tp, rank)
     for fusion in (False, True):

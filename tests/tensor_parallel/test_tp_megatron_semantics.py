@@ -1,4 +1,4 @@
-"""megatron-core 0.16 semantics of the tensor-parallel layers and helpers (issue 10, point 3).
+"""megatron-core 0.16 semantics of the tensor-parallel layers and helpers.
 
 Each multi-rank check runs at world sizes 1, 2 and 4 on gloo against an unsharded torch reference
 built from the same seed: layers sized from their process group (not from the config), an explicit

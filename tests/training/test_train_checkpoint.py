@@ -1,5 +1,5 @@
 """Training checkpoints (megatron_core.training.checkpoint): exact resume, resharding across TP/DP
-sizes, atomic saves, and clear failures on damaged checkpoints (issue 13, points 1-3).
+sizes, atomic saves, and clear failures on damaged checkpoints.
 
 Every check trains a tiny GPT (2 layers, hidden 32, sequence 16) through ``train(args)`` inside
 ``run_distributed`` and compares with an uninterrupted run from the same seed.

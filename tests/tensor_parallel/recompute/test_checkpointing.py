@@ -320,7 +320,7 @@ def _autograd_grad_problems(layers, inputs, mask) -> list[str]:
 
 def _unequal_input_problems(layers, inputs, mask) -> list[str]:
     """A distributed input that differs across the TP group: forward refuses it in the default
-    mode and check mode (issue 22); with the checks off, check_determinism refuses it."""
+    mode and check mode; with the checks off, check_determinism refuses it."""
     if dist.get_world_size() == 1:
         return []
     for mode in ("window", "always"):
@@ -645,7 +645,7 @@ def test_recomputed_graph_is_freed_after_backward(seeded, use_reentrant):
     torch.testing.assert_close(x.grad, 2 * x.exp() * x.exp(), rtol=0, atol=0)
 
 
-# --- torch.autograd.grad inside a non-reentrant region (issue 12, point 1) ---------------------
+# --- torch.autograd.grad inside a non-reentrant region --------------------------------------------
 
 
 def _sin_exp(t):
@@ -737,7 +737,7 @@ def test_autograd_grad_inside_matches_torch(seeded):
         assert torch.equal(results[0][1], results[1][1]), make.__name__
 
 
-# --- debug=True (issue 12, point 5) ------------------------------------------------------------
+# --- debug=True -----------------------------------------------------------------------------------
 
 
 def test_debug_shows_the_first_differing_op(seeded):
@@ -798,7 +798,7 @@ def test_debug_reports_a_recompute_that_saves_more(seeded):
         out.sum().backward()
 
 
-# --- selective checkpointing through torch's context_fn (issue 12, point 4) -------------------
+# --- selective checkpointing through torch's context_fn -------------------------------------------
 
 
 def _sac_context():
@@ -855,7 +855,7 @@ def test_selective_checkpoint_context_fn(world_size):
         assert problems == [], f"rank {rank}: {problems}"
 
 
-# --- checkpoint_sequential (issue 12, point 6) -------------------------------------------------
+# --- checkpoint_sequential ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
@@ -887,7 +887,7 @@ def test_checkpoint_sequential_bad_segments(seeded):
     assert torch.equal(out, x.sin().cos())
 
 
-# --- early stop (issue 12, point 2) ------------------------------------------------------------
+# --- early stop -----------------------------------------------------------------------------------
 
 
 def _tail_region(x, w):
@@ -937,7 +937,7 @@ def test_early_stop_skips_the_tail_and_keeps_every_stream(seeded):
         assert n == plain + 2 and all(torch.equal(a, b) for a, b in zip(want, got))
 
 
-# --- recomputed tensors freed after their last use (issue 12, point 3) -------------------------
+# --- recomputed tensors freed after their last use ------------------------------------------------
 
 
 class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
