@@ -31,8 +31,13 @@ own parameters. Before the optimizer step:
    ``moe_router_enable_expert_bias`` every router's ``expert_bias`` takes one step of
    ``moe_router_bias_update_rate`` towards balance — the tokens each expert got this step,
    summed over the tensor x context x data-parallel group, are compared with their mean and the
-   bias moves by the rate times the sign of (mean - count) — and then the per-step statistics are
-   cleared (``reset_model_temporary_tensors``).
+   bias moves by the rate times the sign of (mean - count). With
+   ``moe_router_load_balancing_type == "quantile_balancing"`` (megatron-core 0.19) every training
+   router that accumulates quantiles (``qb_beta_accum`` / ``qb_beta_count``) has the mean of its
+   accumulated quantiles averaged over the data x context group, blended into ``qb_beta`` as an
+   exponential moving average with weight ``moe_router_quantile_balancing_ema`` on the old value,
+   and re-centred to zero mean over the experts. Then the per-step statistics are cleared
+   (``reset_model_temporary_tensors``).
 8. megatron-core's private helpers, for code and tests that import them by name (0.16.1's
    names and signatures, the same in 0.19): ``_allreduce_word_embedding_grads`` (rule 3 over a
    given embedding group), ``_allreduce_non_tensor_model_parallel_grads`` (rules 1 and 5, the
@@ -142,6 +147,40 @@ def _update_router_expert_bias(model: list[torch.nn.Module], config) -> None:
         step = torch.sign(offset) * config.moe_router_bias_update_rate
         for bias, change in zip(biases, step):
             bias.add_(change.to(bias.dtype))
+
+
+def _update_router_qb_beta(model: list[torch.nn.Module], config, dp_cp_group=None) -> None:
+    """NOTE [ Gradient finalization ], rule 7: one quantile-balancing step of every router.
+
+    For each training module of ``model`` with a ``qb_beta_accum`` ([num_experts] fp32 sum of the
+    per-microbatch quantiles) and ``qb_beta_count`` (how many were summed), the mean quantile is
+    averaged over ``dp_cp_group`` (parallel_state's data x context group when None), and
+    ``qb_beta`` becomes ``ema * qb_beta + (1 - ema) * mean`` minus its mean over experts, in
+    place. One all-reduce of the stacked [routers, num_experts] means; none without routers.
+    """
+    routers = [
+        module
+        for chunk in model
+        for module in get_attr_wrapped_model(chunk, "modules")()
+        if getattr(module, "qb_beta_accum", None) is not None and module.training
+    ]
+    if not routers:
+        return
+    if dp_cp_group is None:
+        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    with torch.no_grad():
+        means = torch.stack(
+            [
+                r.qb_beta_accum / r.qb_beta_count.clamp(min=1).to(r.qb_beta_accum.dtype)
+                for r in routers
+            ]
+        )
+        consistency.checked_all_reduce("finalize_model_grads router quantiles", means, dp_cp_group)
+        means.div_(get_pg_size(dp_cp_group))
+        ema = config.moe_router_quantile_balancing_ema
+        for router, mean in zip(routers, means):
+            blended = ema * router.qb_beta + (1.0 - ema) * mean.to(router.qb_beta.dtype)
+            router.qb_beta.copy_(blended - blended.mean(dim=-1, keepdim=True))
 
 
 def _finish_grad_sync(chunk, force_all_reduce) -> None:
@@ -372,6 +411,8 @@ def finalize_model_grads(
     if config is not None:  # rule 7
         if getattr(config, "moe_router_enable_expert_bias", False):
             _update_router_expert_bias(model, config)
+        if getattr(config, "moe_router_load_balancing_type", None) == "quantile_balancing":
+            _update_router_qb_beta(model, config, dp_group)
         reset_model_temporary_tensors(config, model)
     if num_tokens is not None:  # rule 4
         pp_group = _group(pg_collection, "pp", parallel_state.get_pipeline_model_parallel_group)
@@ -403,7 +444,8 @@ def reset_model_temporary_tensors(config, model: list[torch.nn.Module]) -> None:
     ``expert_bias`` gets its ``local_tokens_per_expert`` zeroed in place when
     ``config.moe_router_enable_expert_bias``; every module with ``reset_global_aux_loss_tracker``
     has it called when ``config.moe_router_load_balancing_type`` is or contains
-    "global_aux_loss". A config without these MoE fields (a plain ModelParallelConfig) resets
+    "global_aux_loss"; every module with a ``qb_beta_accum`` (0.19's quantile balancing) has it
+    and its ``qb_beta_count`` zeroed. A config without these MoE fields (a plain ModelParallelConfig) resets
     nothing. No collective runs.
 
     Args:
@@ -419,3 +461,6 @@ def reset_model_temporary_tensors(config, model: list[torch.nn.Module]) -> None:
                 module.local_tokens_per_expert.zero_()
             if global_aux and hasattr(module, "reset_global_aux_loss_tracker"):
                 module.reset_global_aux_loss_tracker()
+            if getattr(module, "qb_beta_accum", None) is not None:
+                module.qb_beta_accum.zero_()
+                module.qb_beta_count.zero_()

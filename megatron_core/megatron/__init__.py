@@ -181,7 +181,7 @@ def install(cuda_on_cpu: bool | None = None) -> None:
     first = not is_installed()
     want = cpu_mode.wanted(cuda_on_cpu) if first or cuda_on_cpu is not None else None
     if first:
-        check_version()
+        release = check_version()
         foreign = _foreign_imports()
         if foreign:
             raise MegatronCoreError(
@@ -190,6 +190,10 @@ def install(cuda_on_cpu: bool | None = None) -> None:
             )
         _FINDER = MegatronSwitchFinder(SERVED)
         sys.meta_path.insert(0, _FINDER)
+        # the allreduce marks of expert parameters follow the served release
+        from megatron_core.tensor_parallel.linear_base import set_expert_grad_rule
+
+        set_expert_grad_rule("0.16" if release.startswith("0.16.") else "0.19")
     if want is not None:
         cpu_mode.configure(want)
     # NOTE [ Switch in every process ] in _children.py
@@ -205,6 +209,9 @@ def uninstall() -> None:
         sys.meta_path.remove(_FINDER)
     _FINDER = None
     _children.disarm()
+    from megatron_core.tensor_parallel.linear_base import set_expert_grad_rule
+
+    set_expert_grad_rule("0.19")
 
 
 def install_from_env() -> bool:

@@ -52,7 +52,11 @@ from megatron_core.tensor_parallel.layer_params import (  # noqa: F401  (re-expo
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
-from megatron_core.tensor_parallel.linear_base import _default_extra_state, _ParallelLinearBase
+from megatron_core.tensor_parallel.linear_base import (
+    _default_extra_state,
+    _ParallelLinearBase,
+    reduces_over_expert_groups,
+)
 from megatron_core.tensor_parallel.linear_frozen import (
     LinearWithFrozenWeight,
     linear_with_frozen_weight,
@@ -174,7 +178,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         if bias:
             self.bias = _new_bias(config, self.output_size_per_partition)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
-            self.bias.allreduce = not (is_expert and self.expert_parallel)
+            self.bias.allreduce = not reduces_over_expert_groups(config, is_expert)
         else:
             self.register_parameter("bias", None)
         # megatron-core folds the f operator's all-reduce into the linear function's backward
@@ -335,7 +339,7 @@ class RowParallelLinear(_ParallelLinearBase):
         self._make_weight(shape, 1, init_method, stride, keep_master_weight_for_test)
         if bias:
             self.bias = _new_bias(config, output_size)
-            self.bias.allreduce = not (is_expert and self.expert_parallel)
+            self.bias.allreduce = not reduces_over_expert_groups(config, is_expert)
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)

@@ -32,6 +32,40 @@ def _default_extra_state(state_dict, prefix, *args) -> None:
     state_dict.setdefault(f"{prefix}_extra_state")
 
 
+# Which expert parameters are marked ``allreduce = False`` (their gradients reduced over the
+# expert data-parallel group instead of the data-parallel one): megatron-core 0.16.1 marks them
+# under expert parallelism only; 0.19 also where the expert tensor-parallel size differs from
+# the tensor-parallel size (the replicas of an expert shard then lie along the expert groups).
+# 0.19's rule holds unless the megatron switch serves megatron-core 0.16.x, which selects
+# 0.16.1's (``set_expert_grad_rule``).
+_EXPERT_GROUPS_WHEN_ETP_DIFFERS = True
+
+
+def set_expert_grad_rule(release: str) -> None:
+    """Select the ``allreduce`` rule of expert parameters: ``"0.16"`` (expert parallelism only)
+    or ``"0.19"`` (also expert tensor-parallel size != tensor-parallel size). Layers built
+    afterwards follow it; built ones keep their marks."""
+    if release not in ("0.16", "0.19"):
+        raise MegatronCoreError(f"set_expert_grad_rule: release ({release!r}) is not 0.16 or 0.19")
+    global _EXPERT_GROUPS_WHEN_ETP_DIFFERS
+    _EXPERT_GROUPS_WHEN_ETP_DIFFERS = release == "0.19"
+
+
+def reduces_over_expert_groups(config, is_expert: bool) -> bool:
+    """Whether a layer's parameters are reduced over the expert data-parallel group (marked
+    ``allreduce = False``), by the rule in force (see ``set_expert_grad_rule``)."""
+    if not is_expert:
+        return False
+    if config.expert_model_parallel_size > 1:
+        return True
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    return (
+        _EXPERT_GROUPS_WHEN_ETP_DIFFERS
+        and etp is not None
+        and etp != config.tensor_model_parallel_size
+    )
+
+
 class _ParallelLinearBase(torch.nn.Module):
     """What both parallel linear layers share: group, sizes, weight creation, bias flags."""
 
@@ -64,7 +98,7 @@ class _ParallelLinearBase(torch.nn.Module):
         config = self.config
         self.weight = _new_param(config, *shape)
         set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride)
-        self.weight.allreduce = not (self.is_expert and self.expert_parallel)
+        self.weight.allreduce = not reduces_over_expert_groups(config, self.is_expert)
         self.master_weight = _init_shard(
             self.weight,
             config,

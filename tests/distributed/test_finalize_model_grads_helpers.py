@@ -60,6 +60,28 @@ def _grads(model) -> dict:
     }
 
 
+class _QuantileRouter(torch.nn.Module):
+    """What 0.19's quantile balancing keeps on a router: ``qb_beta`` and the per-step sums."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.config = types.SimpleNamespace(
+            moe_router_load_balancing_type="quantile_balancing",
+            moe_router_quantile_balancing_ema=0.75,
+        )
+        self.register_buffer("qb_beta", torch.tensor([1.0, -1.0, 2.0, -2.0]))
+        self.register_buffer("qb_beta_accum", torch.arange(4.0) * (rank + 1))
+        self.register_buffer("qb_beta_count", torch.tensor(rank + 2))
+        self.weight = torch.nn.Parameter(torch.zeros(2))
+
+
+def _quantile_reference(ranks: list[int]) -> list[float]:
+    """qb_beta after one step, the mean over ``ranks`` of accum / count computed by hand."""
+    mean = sum(torch.arange(4.0) * (r + 1) / (r + 2) for r in ranks) / len(ranks)
+    blended = 0.75 * torch.tensor([1.0, -1.0, 2.0, -2.0]) + 0.25 * mean
+    return (blended - blended.mean()).tolist()
+
+
 def _body(use_megatron: bool) -> dict:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=2, pipeline_model_parallel_size=2
@@ -101,6 +123,17 @@ def _body(use_megatron: bool) -> dict:
     model = _model(rank, 1)
     fmg._allreduce_word_embedding_grads(model, config)  # both groups from parallel_state
     out["ours word default groups"] = _grads(model)
+    router = _QuantileRouter(rank)
+    fmg._update_router_qb_beta([router], router.config, pp)  # a two-rank group given
+    out["qb over pp"] = router.qb_beta.tolist()
+    router = _QuantileRouter(rank)
+    router.weight.grad = torch.zeros(2)
+    fmg.finalize_model_grads([router])  # dp x cp group of one rank: this rank's own quantiles
+    out["qb finalize"] = router.qb_beta.tolist()
+    out["qb cleared"] = (router.qb_beta_accum.tolist(), int(router.qb_beta_count))
+    router = _QuantileRouter(rank).eval()  # an evaluating router is left alone
+    fmg._update_router_qb_beta([router], router.config)
+    out["qb eval"] = router.qb_beta.tolist()
     return out
 
 
@@ -131,6 +164,11 @@ def test_helpers_reduce_over_the_right_groups(use_megatron):
         for c, (embedder, plain) in enumerate(out["ours cond"]):
             assert embedder == [total, total]
             assert plain == [100.0 * rank + 10.0 * c] * 2
+        # 0.19's quantile balancing (rule 7): averaged over the group given, else dp x cp
+        assert out["qb over pp"] == pytest.approx(_quantile_reference([rank, pp_peer]), abs=1e-6)
+        assert out["qb finalize"] == pytest.approx(_quantile_reference([rank]), abs=1e-6)
+        assert out["qb cleared"] == ([0.0] * 4, 0)
+        assert out["qb eval"] == [1.0, -1.0, 2.0, -2.0]
         if use_megatron:
             for key in ("word", "untied", "tp sums", "cond"):
                 assert out[f"ours {key}"] == out[f"megatron {key}"], (rank, key)
@@ -143,6 +181,7 @@ def test_helpers_have_megatron_cores_names_and_parameters():
         "_allreduce_word_embedding_grads": ["model", "config", "embd_group", "pp_group"],
         "_allreduce_non_tensor_model_parallel_grads": ["model", "config", "tp_group"],
         "_allreduce_conditional_embedding_grads": ["model", "config", "pp_group"],
+        "_update_router_qb_beta": ["model", "config", "dp_cp_group"],
     }
     for name, parameters in expected.items():
         signature = inspect.signature(getattr(fmg, name))

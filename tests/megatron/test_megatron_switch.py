@@ -174,3 +174,21 @@ def test_check_megatron_lm_script_parses_and_names_a_missing_checkout(tmp_path):
         ["bash", script, str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2 and f"no pretrain_gpt.py in {tmp_path}" in result.stdout
+
+
+@pytest.mark.parametrize("release, etp_rule", [("0.16.1", False), ("0.19.2", True)])
+def test_expert_allreduce_rule_follows_the_served_release(release, etp_rule, monkeypatch):
+    """0.16.1 marks expert parameters for the expert data-parallel group under expert
+    parallelism only; 0.19 also where ETP != TP (tensor_parallel/linear_base.py)."""
+    from megatron_core.tensor_parallel import linear_base
+
+    monkeypatch.setattr(switch, "megatron_core_version", lambda: release)
+    monkeypatch.setattr(switch, "_foreign_imports", lambda: [])
+    assert not switch.is_installed()
+    try:
+        switch.install(cuda_on_cpu=False)
+        assert linear_base._EXPERT_GROUPS_WHEN_ETP_DIFFERS is etp_rule
+    finally:
+        switch.uninstall()
+    assert linear_base._EXPERT_GROUPS_WHEN_ETP_DIFFERS is True
+    assert not switch.is_installed()

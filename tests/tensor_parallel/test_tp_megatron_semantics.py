@@ -29,6 +29,7 @@ from megatron_core.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from megatron_core.tensor_parallel.linear_base import set_expert_grad_rule
 from megatron_core.testing import run_distributed
 
 WORLD_SIZES = [1, 2, 4]
@@ -123,6 +124,24 @@ def _expert_layers_use_the_expert_tensor_parallel_group():
     assert expert.tp_group is ps.get_expert_tensor_parallel_group()
     torch.testing.assert_close(expert.weight, _full_weight(FFN, HIDDEN, 1))  # the whole matrix
     torch.testing.assert_close(dense.weight, _full_weight(FFN, HIDDEN, 1).chunk(world)[rank])
+    # allreduce marks (reduced over the expert data-parallel group when False) follow the
+    # layer's config, as megatron-core's do: under expert parallelism in both releases' rules;
+    # with EP 1 and ETP != TP only under 0.19's
+    assert dense.weight.allreduce and dense.bias.allreduce
+    assert expert.weight.allreduce and expert.bias.allreduce  # its config: EP 1, ETP = TP = 1
+    with_ep = _column(1, is_expert=True, config=_config(expert_model_parallel_size=2))
+    assert (with_ep.weight.allreduce, with_ep.bias.allreduce) == (False, False)
+    no_ep = dict(tensor_model_parallel_size=world, expert_tensor_parallel_size=1)
+    marks = {}
+    try:
+        for release in ("0.16", "0.19"):
+            set_expert_grad_rule(release)
+            column = _column(1, is_expert=True, config=_config(**no_ep))
+            row = _row(1, is_expert=True, config=_config(**no_ep))
+            marks[release] = [column.weight.allreduce, column.bias.allreduce, row.weight.allreduce]
+    finally:
+        set_expert_grad_rule("0.19")
+    assert marks == {"0.16": [True] * 3, "0.19": [world == 1] * 3}
     return True
 
 
