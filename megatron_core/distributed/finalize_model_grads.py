@@ -445,8 +445,8 @@ def reset_model_temporary_tensors(config, model: list[torch.nn.Module]) -> None:
     ``config.moe_router_enable_expert_bias``; every module with ``reset_global_aux_loss_tracker``
     has it called when ``config.moe_router_load_balancing_type`` is or contains
     "global_aux_loss"; every module with a ``qb_beta_accum`` (0.19's quantile balancing) has it
-    and its ``qb_beta_count`` zeroed. A config without these MoE fields (a plain ModelParallelConfig) resets
-    nothing. No collective runs.
+    and its ``qb_beta_count`` zeroed. A config without these MoE fields (a plain
+    ModelParallelConfig) resets nothing. No collective runs.
 
     Args:
         config: the model's TransformerConfig.
