@@ -37,6 +37,7 @@ import warnings
 
 import torch
 
+from megatron_core import flags
 from megatron_core.errors import MegatronCoreError
 
 __all__ = [
@@ -87,9 +88,9 @@ def device_type() -> str:
     """Return ``"cpu"`` or ``"cuda"``: where megatron_core puts tensors (see module doc)."""
     if _explicit_device_type is not None:
         return _explicit_device_type
-    env = os.environ.get("MEGATRON_CORE_DEVICE")
+    env = flags.choice("MEGATRON_CORE_DEVICE", _SUPPORTED)
     if env:
-        return _validate(env.lower(), "MEGATRON_CORE_DEVICE")
+        return _validate(env, "MEGATRON_CORE_DEVICE")
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and backend_uses_cuda(_initialized_backend()):
         return "cuda"

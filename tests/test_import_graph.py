@@ -22,6 +22,7 @@ LEVELS = {
     "enums": 0,
     "device": 0,
     "compat": 0,
+    "flags": 0,
     "model_parallel_config": 1,
     "parallel_state": 1,
     "process_groups_config": 1,

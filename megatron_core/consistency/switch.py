@@ -48,6 +48,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from megatron_core import flags
 from megatron_core.errors import MegatronCoreError
 from megatron_core.parallel_state.agreement import add_agreed_setting
 
@@ -74,9 +75,6 @@ __all__ = [
 CHECK_ENV = "MEGATRON_CORE_CHECK_CONSISTENCY"
 WINDOW_ENV = "MEGATRON_CORE_CHECK_WINDOW"
 DEFAULT_WINDOW = 4096
-_TRUE = ("1", "true", "yes", "on", "always")
-_FALSE = ("0", "false", "no", "off")
-_DEFAULT = ("", "window", "default")
 
 
 class CheckMode(enum.Enum):
@@ -94,16 +92,11 @@ _COUNTS: dict[str, int] = {}
 
 
 def _from_environment() -> CheckMode:
-    value = os.environ.get(CHECK_ENV, "").strip().lower()
-    if value in _TRUE:
+    value = flags.flag(CHECK_ENV, also=("always", "window", "default"))
+    if value is True or value == "always":
         return CheckMode.ALWAYS
-    if value in _FALSE:
+    if value is False:
         return CheckMode.OFF
-    if value not in _DEFAULT:
-        raise MegatronCoreError(
-            f"{CHECK_ENV}={value!r} must be one of 1/true/yes/on/always, 0/false/no/off, or "
-            "window (the default)"
-        )
     detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL"
     return CheckMode.ALWAYS if detail else CheckMode.WINDOW
 
@@ -186,10 +179,8 @@ def window_size() -> int:
     """Collectives agreed per group in ``WINDOW`` mode: :func:`set_window`, else
     ``MEGATRON_CORE_CHECK_WINDOW``, else :data:`DEFAULT_WINDOW`."""
     if _STATE[2] is None:
-        text = os.environ.get(WINDOW_ENV, "").strip()
-        if text and not (text.isdigit() and int(text) >= 0):
-            raise MegatronCoreError(f"{WINDOW_ENV}={text!r} must be an integer >= 0")
-        _STATE[2] = int(text) if text else DEFAULT_WINDOW
+        size = flags.number(WINDOW_ENV, integer=True)
+        _STATE[2] = DEFAULT_WINDOW if size is None else size
     return _STATE[2]
 
 

@@ -26,10 +26,10 @@ the CPU ]): megatron-core's CUDA calls run on the CPU. ``install(cuda_on_cpu=Fal
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import sys
 import warnings
 
+from megatron_core import flags
 from megatron_core.errors import MegatronCoreError
 from megatron_core.megatron import _children, cpu_mode
 from megatron_core.megatron._finder import MegatronSwitchFinder
@@ -93,8 +93,9 @@ _FINDER: MegatronSwitchFinder | None = None
 
 
 def _env_on(name: str) -> bool:
-    """Whether environment variable ``name`` is 1/true/yes/on (any case)."""
-    return os.environ.get(name, "").strip().lower() in cpu_mode.TRUE_VALUES
+    """Whether environment variable ``name`` is 1/true/yes/on (any case); a value that is
+    neither a yes nor a no raises (``flags.flag``)."""
+    return flags.flag(name) is True
 
 
 def megatron_core_version() -> str | None:

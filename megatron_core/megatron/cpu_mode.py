@@ -85,7 +85,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from megatron_core import compat, device
+from megatron_core import compat, device, flags
 from megatron_core.errors import MegatronCoreError
 from megatron_core.parallel_state import agreement
 from megatron_core.tensor_parallel import random as tp_random
@@ -212,8 +212,6 @@ ADAPTED: dict[str, dict[str, object]] = {
 }
 _MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 
-TRUE_VALUES = ("1", "true", "yes", "on")  # of an environment variable, lower-cased
-_FALSE = ("0", "false", "no", "off")
 _CPU = torch.device("cpu")
 _STATE: dict = {
     "mode": None,
@@ -592,17 +590,8 @@ def wanted(cuda_on_cpu: bool | None = None) -> bool:
     """
     if cuda_on_cpu is not None:
         return bool(cuda_on_cpu)
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in TRUE_VALUES:
-        return True
-    if value in _FALSE:
-        return False
-    if value:
-        raise MegatronCoreError(
-            f"{ENV}={os.environ[ENV]!r} is not one of {TRUE_VALUES + _FALSE} (or unset: on exactly "
-            f"when torch has no CUDA device)"
-        )
-    return not torch.cuda.is_available()
+    value = flags.flag(ENV)
+    return not torch.cuda.is_available() if value is None else value
 
 
 def configure(cuda_on_cpu: bool | None = None) -> bool:

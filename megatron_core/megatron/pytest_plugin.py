@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 SWITCH_FLAG = "--megatron-core-switch"
 _STATE: dict = {"installed": False, "te_check": None}
@@ -63,8 +62,7 @@ def pytest_load_initial_conftests(early_config, parser, args) -> None:
         return
     from megatron_core import megatron
 
-    os.environ[megatron.SWITCH_ENV] = "1"  # processes the suite spawns install it too
-    megatron.install()
+    megatron.install()  # sets MEGATRON_CORE_SWITCH=1 for the processes the suite starts
     _STATE["installed"] = True
     _answer_te_version_check()
 

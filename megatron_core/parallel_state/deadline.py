@@ -27,12 +27,11 @@
 from __future__ import annotations
 
 import datetime
-import os
 import time
 
 import torch.distributed as dist
 
-from megatron_core import compat
+from megatron_core import compat, flags
 from megatron_core.errors import MegatronCoreError
 
 __all__ = [
@@ -47,7 +46,6 @@ __all__ = [
 DEADLINE_ENV = "MEGATRON_CORE_PEER_DEADLINE"
 DEFAULT_DEADLINE_S = 900.0
 _ROLL_CALL_S = 5.0  # at most this long a waiting rank gives its peers to report (rule 3)
-_OFF = ("0", "off", "no", "false", "none")
 _EXPLICIT: list[float | None | str] = ["unset"]  # set_peer_deadline's value; "unset": environment
 _WAITS: dict[dist.ProcessGroup, int] = {}  # group -> waits made on it (rule 3)
 
@@ -58,27 +56,14 @@ class PeerDeadlineError(RuntimeError):
     the group handle both alike."""
 
 
-def _parse(value: str) -> float | None:
-    text = value.strip().lower()
-    if text in _OFF:
-        return None
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise MegatronCoreError(
-            f"{DEADLINE_ENV}={value!r} must be a positive number of seconds, or 0 / off"
-        )
-    return seconds
-
-
 def peer_deadline() -> float | None:
     """Seconds a rank waits for its peers in a gloo collective (None: no deadline of its own)."""
     if _EXPLICIT[0] != "unset":
         return _EXPLICIT[0]  # type: ignore[return-value]
-    value = os.environ.get(DEADLINE_ENV)
-    return DEFAULT_DEADLINE_S if value is None or not value.strip() else _parse(value)
+    seconds = flags.number(DEADLINE_ENV, off=True)  # 0 or a no: no deadline
+    if seconds is None:
+        return DEFAULT_DEADLINE_S
+    return float(seconds) if seconds > 0 else None
 
 
 def set_peer_deadline(seconds: float | None | str = "unset") -> None:

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 
+from megatron_core import flags
 from megatron_core.errors import MegatronCoreError
 from megatron_core.testing.worker import (
     _STOP,
@@ -61,7 +62,7 @@ class DistributedTestTimeout(DistributedTestError):
 def _context() -> multiprocessing.context.BaseContext:
     """forkserver with torch preloaded where the platform has it (a worker starts in
     milliseconds instead of importing torch for seconds), else spawn."""
-    method = os.environ.get(START_METHOD_ENV) or (
+    method = flags.choice(START_METHOD_ENV, ("spawn", "fork", "forkserver")) or (
         "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     )
     ctx = multiprocessing.get_context(method)
@@ -172,7 +173,7 @@ _LOCK = threading.RLock()
 
 
 def _reuse() -> bool:
-    return os.environ.get(NO_REUSE_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
+    return flags.flag(NO_REUSE_ENV) is not True
 
 
 def _acquire_pool(world_size: int) -> _Pool:

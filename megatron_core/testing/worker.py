@@ -18,6 +18,7 @@ import sys
 import threading
 import traceback
 
+from megatron_core import flags
 from megatron_core.errors import MegatronCoreError
 from megatron_core.testing import pickling
 
@@ -27,7 +28,7 @@ TEST_DEVICE_ENV = "MEGATRON_CORE_TEST_DEVICE"
 
 def harness_device_type() -> str:
     """The harness's device type: "cuda" if ``MEGATRON_CORE_TEST_DEVICE=cuda``, else "cpu"."""
-    return "cuda" if os.environ.get(TEST_DEVICE_ENV, "").strip().lower() == "cuda" else "cpu"
+    return flags.choice(TEST_DEVICE_ENV, ("cpu", "cuda")) or "cpu"
 
 
 _STOP = b"stop"

@@ -49,6 +49,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Sequence
 
+from megatron_core import flags
 from megatron_core.errors import MegatronCoreError
 
 __all__ = ["RENDEZVOUS_ENV", "LAUNCHER_PID_ENV", "DEBUG_ENV", "launch", "debug_requested"]
@@ -62,7 +63,7 @@ _WATCH_INTERVAL_S = 0.5
 
 def debug_requested(argv: Sequence[str]) -> bool:
     """True if ``--debug`` is in ``argv`` or ``MEGATRON_CORE_DEBUG`` is set to a true value."""
-    return "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0", "false")
+    return "--debug" in argv or flags.flag(DEBUG_ENV) is True
 
 
 def _global_rank() -> int:

@@ -433,7 +433,7 @@ def test_a_bad_variable_value_is_named():
         """,
         **{cpu_mode.ENV: "maybe"},
     )
-    assert report[0] == "MegatronCoreError" and "'maybe'" in report[1] and report[2] is False
+    assert report[0] == "FlagError" and "'maybe'" in report[1] and report[2] is False
 
 
 def test_auto_mode_does_nothing_where_cuda_is_available():
