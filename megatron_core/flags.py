@@ -42,7 +42,12 @@ VARIABLES = (
     Variable(
         "MEGATRON_CORE_CHECK_WINDOW",
         "integer >= 0",
-        "collectives agreed per process group in the default mode (default 4096)",
+        "collectives agreed per group in the default mode before any iteration (default 4096)",
+    ),
+    Variable(
+        "MEGATRON_CORE_CHECK_ITERATIONS",
+        "integer >= 0",
+        "training iterations agreed whole in the default mode (default 2)",
     ),
     Variable(
         "MEGATRON_CORE_PEER_DEADLINE",

@@ -12,6 +12,9 @@ verifies that the ranks agree. Set before any worker starts, so every worker inh
 ``MEGATRON_CORE_CHECK_CONSISTENCY=0 python -m pytest tests -q`` runs without it. Tests of the
 default mode (the check window) force it in their per-rank bodies
 (``consistency.check_mode("window")``) and assert that it is in force.
+
+``@pytest.mark.requires_megatron_core`` is the one way a test says it needs megatron-core (the
+``[megatron]`` extra): without it the test is skipped with that reason.
 """
 
 import os
@@ -20,6 +23,7 @@ import sys
 import pytest
 
 from megatron_core import consistency
+from megatron_core.megatron import megatron_core_version
 from megatron_core.tensor_parallel.random import keep_device_stream_apart
 from megatron_core.testing import run_distributed, shutdown_pools
 
@@ -29,6 +33,20 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 for _helpers in ("megatron", "training"):
     if os.path.join(_HERE, _helpers) not in sys.path:
         sys.path.insert(0, os.path.join(_HERE, _helpers))
+
+
+MEGATRON_CORE_MISSING = "megatron-core is not installed (the [megatron] extra)"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "requires_megatron_core: skipped where megatron-core is not installed"
+    )
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("requires_megatron_core") and megatron_core_version() is None:
+        pytest.skip(MEGATRON_CORE_MISSING)
 
 
 @pytest.fixture(scope="session", autouse=True)

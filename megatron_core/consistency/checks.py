@@ -63,10 +63,10 @@ from megatron_core.consistency import text as _text
 from megatron_core.consistency.switch import (
     CheckMode,
     close_window,
+    describe_settings,
+    group_window_done,
     mode,
     should_check,
-    window_size,
-    windows_done,
 )
 from megatron_core.errors import CollectiveError, MegatronCoreError, RankDisagreementError
 from megatron_core.parallel_state.agreement import (
@@ -163,10 +163,11 @@ def agree(
         return
     if content is not None:
         args = {**args, "content checksum": _text.checksum(content)}
-    # Ranks in different modes or windows would stop checking at different collectives.
-    args["consistency mode"] = f"{mode().value}, window {window_size()}"
+    # Ranks in different modes or windows would stop checking at different collectives
+    # (NOTE [ Check window ], rule 5).
+    args["consistency mode"] = describe_settings()
     values = _descriptor(op, tensor, shape, dtype, args, error is not None)
-    values[_DONE_SLOT] = int(windows_done())
+    values[_DONE_SLOT] = int(group_window_done(group))
     table = _exchange(values, group, op)
     if bool(table[:, _DONE_SLOT].any()):  # the same table on every rank: closed alike
         close_window(group)

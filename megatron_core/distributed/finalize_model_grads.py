@@ -391,6 +391,7 @@ def finalize_model_grads(
     """
     if isinstance(model, torch.nn.Module):
         model = [model]
+    consistency.note_iteration("finalize")  # a loop without the schedules (NOTE [ Check window ])
     tp_group = _group(pg_collection, "tp", parallel_state.get_tensor_model_parallel_group)
     dp_group = _group(
         pg_collection,

@@ -131,6 +131,11 @@ ANSWERED: dict[str, str] = {
     "torch.cuda.manual_seed_all": "seeds the device stream, kept apart from the CPU generator",
     "torch.cuda.get_rng_state": "the device stream's state",
     "torch.cuda.set_rng_state": "sets the device stream's state",
+    "torch.cuda.random.manual_seed": "as torch.cuda.manual_seed (megatron-core's own random.py "
+    "calls this module's names)",
+    "torch.cuda.random.manual_seed_all": "as torch.cuda.manual_seed_all",
+    "torch.cuda.random.get_rng_state": "as torch.cuda.get_rng_state",
+    "torch.cuda.random.set_rng_state": "as torch.cuda.set_rng_state",
     "torch.nn.functional.dropout": "draws from the device stream (also dropout1d/2d/3d, "
     "alpha_dropout, feature_alpha_dropout), not from host-side draws",
     "torch.rand": "with a device naming CUDA, draws from the device stream (also randn, "
@@ -497,6 +502,10 @@ def _stand_ins() -> dict[tuple[object, str], object]:
         (cuda, "manual_seed_all"): _seed,
         (cuda, "get_rng_state"): lambda device="cuda": tp_random.get_device_rng_state(),
         (cuda, "set_rng_state"): _set_rng_state,
+        (cuda.random, "manual_seed"): _seed,
+        (cuda.random, "manual_seed_all"): _seed,
+        (cuda.random, "get_rng_state"): lambda device="cuda": tp_random.get_device_rng_state(),
+        (cuda.random, "set_rng_state"): _set_rng_state,
         (dist, "init_process_group"): _gloo_for_nccl(dist.init_process_group),
         (dist, "new_group"): _gloo_for_nccl(dist.new_group),
     }

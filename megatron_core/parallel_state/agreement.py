@@ -29,6 +29,7 @@ __all__ = [
     "hash_text",
     "exchange",
     "exchange_text",
+    "host_group",
     "agree_on_arguments",
     "add_agreed_setting",
 ]
@@ -59,16 +60,61 @@ def hash_text(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
+# NOTE [ Host-side agreement ]
+# An agreement decides on the host, from a table every rank reads. On a group whose backend
+# runs CPU tensors (gloo, or a "cpu:gloo,cuda:nccl" pair) the exchange runs there on CPU
+# tensors. On a device-only group (NCCL) the exchange would run on the device, and reading the
+# table back would make the host wait for the device's whole queue (every kernel launched
+# before the check): while the check window is open, the host could no longer run ahead of the
+# GPU. So such a group gets a gloo shadow: a gloo group of the same ranks, created at the
+# group's first agreement with ``use_local_synchronization`` (only its members take part, and
+# all of them are at that agreement), one per distinct rank list (every group of those ranks
+# shares it). The exchange then waits for the peers' hosts only, under the peer deadline like
+# any gloo wait. A torch that cannot create it (no gloo) falls back to the device exchange.
+_SHADOWS: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+_SHADOW_GLOO_GROUPS = False  # tests: shadow gloo groups too, to run the path on a CPU
+
+
+def _runs_cpu_tensors(group: dist.ProcessGroup) -> bool:
+    return "gloo" in str(dist.get_backend(group))
+
+
+def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group an agreement over ``group`` exchanges on: ``group`` itself where it runs CPU
+    tensors, else its gloo shadow (NOTE [ Host-side agreement ]). The first call for a rank list
+    is collective over its members."""
+    if _runs_cpu_tensors(group) and not _SHADOW_GLOO_GROUPS:
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    shadow = _SHADOWS.get(ranks)
+    if shadow is not None:
+        try:
+            dist.get_backend(shadow)  # still registered (not destroyed with the default group)
+            return shadow
+        except (ValueError, RuntimeError):
+            pass
+    elif ranks in _SHADOWS:
+        return group  # no gloo here: the device exchange
+    try:
+        shadow = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    except (RuntimeError, ValueError):
+        shadow = None
+    _SHADOWS[ranks] = shadow
+    return group if shadow is None else shadow
+
+
 def _buffer_device(group: dist.ProcessGroup) -> torch.device:
-    return torch.device("cpu") if dist.get_backend(group) == "gloo" else device.current_device()
+    return torch.device("cpu") if _runs_cpu_tensors(group) else device.current_device()
 
 
 def exchange(values: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather ``values`` (the same length on every rank) over ``group``.
+    """All-gather ``values`` (the same length on every rank) over ``group`` (on its host group:
+    NOTE [ Host-side agreement ]).
 
     Returns:
         An int64 CPU tensor [group size, len(values)]: row i holds rank i's values.
     """
+    group = host_group(group)
     local = torch.tensor(values, dtype=torch.int64, device=_buffer_device(group))
     gathered = local.new_empty(dist.get_world_size(group) * len(values))
     work = _all_gather_single(gathered, local, group=group, async_op=True)
@@ -81,6 +127,7 @@ def exchange_text(text: str, group: dist.ProcessGroup) -> list[str]:
     then the UTF-8 bytes padded to the longest. Every rank of ``group`` must call it."""
     data = text.encode()
     sizes = exchange([len(data)] + [0] * (SLOTS - 1), group)[:, 0].tolist()
+    group = host_group(group)
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
     gathered = padded.to(_buffer_device(group)).new_empty(len(sizes) * max(sizes))

@@ -4,14 +4,27 @@ exchanged shape, the groups it runs over, grad-sync suppression and the final gr
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable
 
-from megatron_core import parallel_state
+from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 __all__ = ["get_tensor_shapes"]
+
+
+def one_iteration(schedule: Callable) -> Callable:
+    """Decorate a ``forward_backward_func``: each call is one iteration of the check window
+    (NOTE [ Check window ], rule 1), an evaluation one when ``forward_only``."""
+
+    @functools.wraps(schedule)
+    def marked(*args, **kwargs):
+        with consistency.iteration("eval" if kwargs.get("forward_only") else "train"):
+            return schedule(*args, **kwargs)
+
+    return marked
 
 
 def option(config, name: str, default=None):

@@ -37,6 +37,7 @@ from megatron_core.pipeline_parallel._args import (
     communicator,
     finalize,
     no_sync_context,
+    one_iteration,
     option,
     parallel_groups,
     tensor_shape,
@@ -83,6 +84,7 @@ def _check_chunks(model, data_iterator) -> None:
         )
 
 
+@one_iteration
 def forward_backward_pipelining_with_interleaving(
     *,
     forward_step_func,

@@ -39,6 +39,7 @@ from megatron_core.pipeline_parallel._args import (
     get_tensor_shapes,
     no_sync_context,
     one_chunk,
+    one_iteration,
     option,
     parallel_groups,
 )
@@ -121,6 +122,7 @@ def get_forward_backward_func(
     return forward_backward_pipelining_without_interleaving
 
 
+@one_iteration
 def forward_backward_no_pipelining(
     *,
     forward_step_func,
@@ -192,6 +194,7 @@ def forward_backward_no_pipelining(
     return store
 
 
+@one_iteration
 def forward_backward_pipelining_without_interleaving(
     *,
     forward_step_func,

@@ -255,7 +255,14 @@ def _clip_grads(model: torch.nn.Module, max_norm: float) -> float:
 
 
 def train_step(model, optimizer, corpus: ByteCorpus, args: argparse.Namespace, step: int):
-    """Run training step ``step`` (0-based); returns (loss averaged over DP, activation bytes)."""
+    """Run training step ``step`` (0-based); returns (loss averaged over DP, activation bytes).
+    The step is one iteration of the check window (NOTE [ Check window ], rule 1), its
+    schedule and gradient finalization included."""
+    with consistency.iteration():
+        return _train_step(model, optimizer, corpus, args, step)
+
+
+def _train_step(model, optimizer, corpus: ByteCorpus, args: argparse.Namespace, step: int):
     optimizer.zero_grad(set_to_none=True)
     dp_size = parallel_state.get_data_parallel_world_size()
     num_microbatches = args.global_batch_size // (args.micro_batch_size * dp_size)

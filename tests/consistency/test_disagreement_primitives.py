@@ -276,11 +276,11 @@ def _body_rare_group_closes():
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_group_with_rare_collectives_closes_once_an_iterations_worth_is_checked(world_size):
-    # NOTE [ Check window ], rule 4: the rare group's first check is still agreed, then it is
-    # closed on every member at once (count = window size), not after 4 of its own checks,
-    # also on the members that made no checks elsewhere (ranks 2, 3).
+    # NOTE [ Check window ], rule 4: the rare group's first check is still agreed (its count:
+    # 1), then it is closed on every member at once, not after 4 of its own checks, also on the
+    # members that made no checks elsewhere (ranks 2, 3).
     results = run_distributed(_body_rare_group_closes, world_size, timeout=60)
-    assert results == [(True, 4, False)] * 2 + [(False, 4, False)] * (world_size - 2)
+    assert results == [(True, 1, False)] * 2 + [(False, 1, False)] * (world_size - 2)
 
 
 def _body_silent_peer():

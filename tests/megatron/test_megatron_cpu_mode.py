@@ -17,13 +17,10 @@ import textwrap
 import pytest
 import torch
 
-from megatron_core.megatron import cpu_mode, megatron_core_version
+from megatron_core.megatron import cpu_mode
 from megatron_core.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-needs_megatron = pytest.mark.skipif(
-    megatron_core_version() is None, reason="megatron-core is not installed (the [megatron] extra)"
-)
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU-only torch")
 
 
@@ -481,7 +478,7 @@ def test_enable_pushes_once_and_disable_keeps_other_modes():
     assert report == [1, 1, True, True, 0]
 
 
-@needs_megatron
+@pytest.mark.requires_megatron_core
 @needs_no_cuda
 def test_install_turns_it_on_by_default_and_keeps_an_explicit_choice():
     report = run_python(
@@ -508,7 +505,7 @@ def test_install_turns_it_on_by_default_and_keeps_an_explicit_choice():
     assert report == [True, False, False, True, False]
 
 
-@needs_megatron
+@pytest.mark.requires_megatron_core
 @needs_no_cuda
 @pytest.mark.parametrize("choice", [None, False])
 def test_spawn_children_get_the_parents_choice(choice):

@@ -21,7 +21,7 @@ from megatron_core.megatron import SWITCH_ENV, cpu_mode, megatron_core_version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [
-    pytest.mark.skipif(megatron_core_version() is None, reason="the [megatron] extra"),
+    pytest.mark.requires_megatron_core,
     pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU-only torch"),
 ]
 

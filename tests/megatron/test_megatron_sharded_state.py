@@ -8,11 +8,9 @@ dist_checkpointing reads. tests/megatron/test_megatron_checkpoint.py round-trips
 import pytest
 from _megatron_sharded_checks import error_without_megatron, sharded_layout
 
-from megatron_core.megatron import megatron_core_version
 from megatron_core.testing import run_distributed
 
 TIMEOUT = 240
-needs_megatron = pytest.mark.skipif(megatron_core_version() is None, reason="[megatron] extra")
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +18,7 @@ def layouts():
     return run_distributed(sharded_layout, 2, timeout=TIMEOUT)
 
 
-@needs_megatron
+@pytest.mark.requires_megatron_core
 @pytest.mark.parametrize(
     "key, global_shape, axis_fragmentations",
     [
@@ -52,7 +50,7 @@ def test_sharded_tensors(layouts, key, global_shape, axis_fragmentations):
     assert layouts[0]["emb.weight"]["allow_shape_mismatch"] is True
 
 
-@needs_megatron
+@pytest.mark.requires_megatron_core
 @pytest.mark.parametrize(
     "key, global_shape, global_offset",
     [("col._extra_state", (1,), (0,)), ("stacked.row._extra_state", (3,), (1,))],

@@ -13,8 +13,6 @@ from megatron_core import megatron as switch
 from megatron_core.errors import MegatronCoreError
 from megatron_core.testing import run_distributed
 
-HAVE_MEGATRON = switch.megatron_core_version() is not None
-needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="the [megatron] extra")
 
 # Not API: availability flags of optional dependencies and module loggers.
 NOT_API = {"HAVE_EINOPS", "HAVE_TE", "HAVE_DTENSOR", "IS_CHECKPOINTING", "HAVE_APEX", "logger"}
@@ -42,7 +40,7 @@ def test_missing_megatron_core_names_the_extra(monkeypatch):
     assert not switch.is_installed()
 
 
-@needs_megatron
+@pytest.mark.requires_megatron_core
 def test_install_after_megatron_was_imported_is_refused(monkeypatch):
     name = "megatron.core.parallel_state"
     monkeypatch.setitem(sys.modules, name, types.ModuleType(name))  # megatron-core's, imported
@@ -64,7 +62,7 @@ def test_readme_lists_exactly_the_served_modules():
     assert listed == set(switch.SERVED)
 
 
-@needs_megatron
+@pytest.mark.requires_megatron_core
 def test_served_names_are_our_modules_and_nothing_else_is():
     report = run_distributed(_checks().served_report, 1, timeout=240)[0]
     assert all(report["identity"].values()), report["identity"]
@@ -87,7 +85,7 @@ def _checks():
     return _megatron_switch_checks
 
 
-@needs_megatron
+@pytest.mark.requires_megatron_core
 def test_pytest_plugin_runs_a_megatron_suite_on_gloo_with_one_flag(tmp_path):
     (tmp_path / "test_user_suite.py").write_text(
         textwrap.dedent(
@@ -125,7 +123,7 @@ def test_pytest_plugin_runs_a_megatron_suite_on_gloo_with_one_flag(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@needs_megatron
+@pytest.mark.requires_megatron_core
 def test_python_m_runner_installs_the_switch_before_the_script(tmp_path):
     script = tmp_path / "user_script.py"
     (tmp_path / "beside.py").write_text("NAME = 'beside'\n")  # as python script.py finds it

@@ -18,7 +18,6 @@ import typing
 import pytest
 
 from megatron_core import ModelParallelConfig
-from megatron_core.megatron import megatron_core_version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -55,7 +54,7 @@ def test_optional_fields_unwrap_to_their_value_type():
     assert typing.get_args(fields["timers"])[0] is collections.abc.Callable
 
 
-@pytest.mark.skipif(megatron_core_version() is None, reason="the [megatron] extra")
+@pytest.mark.requires_megatron_core
 def test_field_types_equal_megatron_cores():
     # megatron-core's own module, imported under its own name in a fresh interpreter (importing
     # it here would import megatron-core's parallel_state into the pytest process, where a later

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state
-from megatron_core.megatron import megatron_core_version
 from megatron_core.tensor_parallel import mappings
 from megatron_core.testing import run_distributed
 
@@ -33,7 +32,7 @@ def test_megatron_names_are_region_classes_with_symbolic():
     assert issubclass(mappings._AllToAll, torch.autograd.Function)
 
 
-@pytest.mark.skipif(megatron_core_version() is None, reason="the [megatron] extra")
+@pytest.mark.requires_megatron_core
 def test_every_autograd_class_name_of_megatron_core_exists():
     # Read with ast, found through the package metadata: importing megatron-core's module (or
     # find_spec, which imports its parent packages) would import megatron-core's parallel_state

@@ -328,3 +328,22 @@ def _assert_continues(straight, first, resumed):
     got = torch.cat([resumed[1][k].reshape(-1) for k in keys])
     want = torch.cat([straight[1][k].reshape(-1) for k in keys])
     assert ((got - want).norm() / want.norm()).item() <= 1e-5
+
+
+def _iterations_marked(argvs: list[list[str]]) -> list[tuple[int, int]]:
+    from megatron_core import consistency
+
+    deltas = []
+    for argv in argvs:
+        before = consistency.iterations_seen()
+        train(parse_args(argv))
+        after = consistency.iterations_seen()
+        deltas.append((after[0] - before[0], after[1] - before[1]))
+    return deltas
+
+
+def test_each_training_step_is_one_iteration_of_the_check_window():
+    """NOTE [ Check window ], rule 1: the main job's step (its schedule and its gradient
+    finalization nested inside) counts once, at pp=1 (finalize only) and at pp=2."""
+    argvs = [_argv(train_iters=3, **SP2), _argv(train_iters=3, **PP2)]
+    assert run_distributed(_iterations_marked, 2, argvs, timeout=300) == [[(3, 3), (3, 3)]] * 2

@@ -1,0 +1,227 @@
+"""megatron-core's own GPTModel: through the switch (this package's modules, default consistency
+mode and checks off) against megatron-core's own modules, CPU time and wall time per round.
+
+Each launch starts ``--tp`` gloo ranks (fresh interpreters, one thread each) and trains
+megatron-core's GPTModel (local spec, megatron-core's DistributedDataParallel, its
+``get_forward_backward_func`` and ``finalize_model_grads``, plain SGD on ``main_grad``) for
+``--rounds`` rounds of ``--steps`` iterations, as a user's benchmark would:
+
+* "ours": ``megatron_core.megatron.install()`` first. Two modes, alternating round by round
+  (the order swapped every round): the default consistency mode (its window starts with the
+  process and covers the first iterations: NOTE [ Check window ]) and every check off
+  (``set_mode("off", restart_windows=False)``, so switching back does not reopen the window).
+* "own": megatron-core's own modules, with only the switch's CPU mode on (it answers their CUDA
+  calls on a CPU; no module of this package is served).
+
+A round's CPU time is the sum over ranks of ``time.process_time()``, its wall time the slowest
+rank's. The report gives medians of per-round ratios (default / off paired within a launch;
+ours / own between launches, which alternate ``--launches`` times) and the totals over all rounds,
+the first included (where the window's checks are paid).
+
+    python scripts/benchmark_megatron_gpt.py --rounds 11 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build(args):
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    extra = {}
+    if args.recompute == "full":
+        extra = dict(
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=1,
+            distribute_saved_activations=True,
+        )
+    elif args.recompute == "selective":
+        extra = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    config = TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        ffn_hidden_size=4 * args.hidden,
+        tensor_model_parallel_size=args.tp,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        **extra,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.vocab,
+        max_sequence_length=args.seq,
+    )
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
+    )
+    return model, config
+
+
+def _rank(rank: int, impl: str, args, port: int, queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.tp), LOCAL_RANK=str(rank))
+    from megatron_core import megatron as switch
+    from megatron_core.megatron import cpu_mode
+
+    if impl == "ours":
+        switch.install()
+    else:
+        cpu_mode.enable()
+    dist.init_process_group("gloo", rank=rank, world_size=args.tp)
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model, config = _build(args)
+    config.finalize_model_grads_func = finalize_model_grads
+    forward_backward = get_forward_backward_func()
+    gen = torch.Generator().manual_seed(7)
+
+    def forward_step(data_iterator, model):
+        tokens = next(data_iterator)
+        positions = torch.arange(args.seq).unsqueeze(0).expand(tokens.shape[0], -1)
+        output = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:])
+
+        def loss_func(loss):
+            mean = loss.float().mean()
+            return mean, {"loss": mean.detach()}
+
+        return output, loss_func
+
+    def step() -> None:
+        data = [
+            torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
+            for _ in range(args.microbatches)
+        ]
+        model.zero_grad_buffer()
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(data),
+            model=[model],
+            num_microbatches=args.microbatches,
+            seq_length=args.seq,
+            micro_batch_size=args.micro_batch,
+        )
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(param.main_grad, alpha=-1e-3)
+
+    modes = ["default", "off"] if impl == "ours" else ["own"]
+    times = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            if impl == "ours":
+                from megatron_core import consistency
+
+                consistency.set_mode(None if mode == "default" else "off", restart_windows=False)
+            dist.barrier()
+            cpu, wall = time.process_time(), time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+            both = torch.tensor([cpu, wall], dtype=torch.float64)
+            cpu_sum = both[:1].clone()
+            dist.all_reduce(cpu_sum)
+            wall_max = both[1:].clone()
+            dist.all_reduce(wall_max, op=dist.ReduceOp.MAX)
+            times[mode].append((cpu_sum.item(), wall_max.item()))
+    if rank == 0:
+        queue.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _launch(impl: str, args) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_rank, args=(r, impl, args, port, queue)) for r in range(args.tp)]
+    for p in procs:
+        p.start()
+    result = queue.get()
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise SystemExit(f"{impl}: a rank exited with {p.exitcode}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--launches", type=int, default=1, help="ours/own launch pairs")
+    parser.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
+    args = parser.parse_args()
+    tempfile.tempdir = tempfile.mkdtemp()
+    rounds = {"default": [], "off": [], "own": []}
+    paired = []
+    for _ in range(args.launches):
+        ours = _launch("ours", args)
+        own = _launch("own", args)
+        paired += [d[0] / o[0] for d, o in zip(ours["default"], ours["off"])]
+        for mode, values in [*ours.items(), *own.items()]:
+            rounds[mode] += values
+    print(
+        f"megatron-core GPTModel, TP={args.tp}, {args.layers} layers, hidden {args.hidden}, "
+        f"seq {args.seq}, {args.microbatches} x {args.micro_batch} sequences per step, "
+        f"recompute {args.recompute}; {args.launches} launch pair(s) x {args.rounds} rounds x "
+        f"{args.steps} steps"
+    )
+    print("| mode | median CPU s/round | median wall s/round | total CPU s | total wall s |")
+    print("|---|---:|---:|---:|---:|")
+    for mode, values in rounds.items():
+        cpu = [c for c, _ in values]
+        wall = [w for _, w in values]
+        print(
+            f"| {mode} | {statistics.median(cpu):.3f} | {statistics.median(wall):.3f} | "
+            f"{sum(cpu):.2f} | {sum(wall):.2f} |"
+        )
+    med = {m: statistics.median(c for c, _ in v) for m, v in rounds.items()}
+    total = {m: sum(c for c, _ in v) for m, v in rounds.items()}
+    print(f"default / off, median of paired per-round CPU ratios: {statistics.median(paired):.4f}")
+    print(f"default / off, total CPU (first round included): {total['default'] / total['off']:.4f}")
+    print(
+        f"ours default / own modules, median CPU: {med['default'] / med['own']:.4f}; "
+        f"total CPU: {total['default'] / total['own']:.4f}"
+    )
+    print(f"ours off / own modules, median CPU: {med['off'] / med['own']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

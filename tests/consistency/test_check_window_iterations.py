@@ -1,0 +1,212 @@
+"""NOTE [ Check window ], rules 1-3: the default window agrees the first training iterations
+whole (as the schedules and finalize_model_grads mark them), closes on every rank alike when
+the next one begins, and reopens for a group first used later and for the first evaluation.
+
+One body runs a scripted sequence of iterations through the real schedule
+(``forward_backward_no_pipelining`` with ``finalize_model_grads``); its forward step makes one
+consistency check on the tensor-parallel group (the last rank's shape differs where a case says
+so), and a collective after the schedule stands for the optimizer's. The body returns the check
+counts per iteration, or where a disagreement was caught and its message.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_core import ModelParallelConfig, consistency
+from megatron_core import parallel_state as ps
+from megatron_core.consistency import RankDisagreementError
+from megatron_core.distributed import finalize_model_grads
+from megatron_core.pipeline_parallel.schedules import forward_backward_no_pipelining
+from megatron_core.testing import run_distributed
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = ModelParallelConfig(
+            tensor_model_parallel_size=dist.get_world_size(),
+            finalize_model_grads_func=finalize_model_grads,
+        )
+        self.weight = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return (self.weight * x).sum()
+
+
+def _run(script: dict):
+    """``script``: iterations (count), bad (iteration -> the last rank's probe differs there),
+    eval (iterations run forward_only), late (the iteration where a new group is first used),
+    plain (iterations run without the schedule: finalize_model_grads, then an optimizer step),
+    sgd (iterations run with an optimizer step only)."""
+    ps.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    tp = ps.get_tensor_model_parallel_group()
+    last = dist.get_rank() == dist.get_world_size() - 1
+    model, late_group, record = _Tiny(), None, []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with consistency.check_mode(consistency.CheckMode.WINDOW):
+        for it in range(1, script["iterations"] + 1):
+            rows = 3 if last and it in script.get("bad", ()) else 2
+
+            def forward_step(data_iterator, model, rows=rows):
+                consistency.check_collective("probe", tp, torch.zeros(rows))
+                loss = model(torch.ones(2))
+                return loss, lambda output: (output, {"loss": output.detach()})
+
+            try:
+                if it == script.get("late"):
+                    late_group = dist.new_group(list(range(dist.get_world_size())))
+                if it in script.get("plain", ()) or it in script.get("sgd", ()):
+                    forward_step(None, model)[0].backward()
+                    if it in script.get("plain", ()):
+                        finalize_model_grads([model])
+                    optimizer.step()
+                else:
+                    forward_backward_no_pipelining(
+                        forward_step_func=forward_step,
+                        data_iterator=iter([None]),
+                        model=model,
+                        num_microbatches=1,
+                        forward_only=it in script.get("eval", ()),
+                    )
+                    optimizer.step()  # after the schedule: a weaker mark, not counted
+                consistency.check_collective("after step", tp, torch.zeros(1))
+                if late_group is not None:
+                    for _ in range(2):
+                        consistency.check_collective("late", late_group, torch.zeros(rows))
+            except RankDisagreementError as exc:
+                return "caught", it, str(exc)
+            late = consistency.checked_count(late_group) if late_group is not None else None
+            record.append((consistency.iterations_seen(), consistency.checked_count(tp), late))
+    return record
+
+
+def _same_everywhere(results):
+    assert all(r == results[0] for r in results), results
+    return results[0]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_two_iterations_are_agreed_whole_then_the_window_closes_on_every_rank(world_size):
+    record = _same_everywhere(run_distributed(_run, world_size, {"iterations": 5}, timeout=120))
+    marks = [seen for seen, _, _ in record]
+    assert marks == [(i, i) for i in range(1, 6)]
+    counts = [count for _, count, _ in record]
+    # iterations 1 and 2: the probe and the check after the step, every time; iteration 3's
+    # first check carries "done" (rule 2) and closes the group on every member after it
+    assert counts == [2, 4, 5, 5, 5]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("bad", [1, 2])
+def test_a_disagreement_in_iteration_1_or_2_is_caught_on_every_rank(world_size, bad):
+    results = run_distributed(_run, world_size, {"iterations": 3, "bad": {bad}}, timeout=120)
+    kind, where, message = _same_everywhere(results)
+    assert (kind, where) == ("caught", bad)
+    assert "probe" in message and "(2,)" in message and "(3,)" in message
+
+
+def test_after_the_window_a_differing_check_passes_unseen():
+    """Iteration 4: nothing is exchanged, so the difference is not seen (as in mode OFF)."""
+    record = _same_everywhere(run_distributed(_run, 2, {"iterations": 4, "bad": {4}}, timeout=120))
+    assert [count for _, count, _ in record] == [2, 4, 5, 5]
+
+
+def test_a_group_first_used_after_the_window_gets_its_iteration():
+    results = run_distributed(_run, 2, {"iterations": 6, "late": 4}, timeout=120)
+    record = _same_everywhere(results)
+    # iteration 4: both checks on the new group agreed; iteration 5: its first check carries
+    # "done", then it is closed
+    assert [late for _, _, late in record] == [None, None, None, 2, 3, 3]
+    caught = run_distributed(_run, 2, {"iterations": 5, "late": 4, "bad": {4}}, timeout=120)
+    assert _same_everywhere(caught)[:2] == ("caught", 4)  # the probe is closed: the new group
+
+
+def test_the_first_evaluation_after_the_window_is_agreed():
+    script = {"iterations": 6, "eval": {4, 5}}
+    record = _same_everywhere(run_distributed(_run, 2, script, timeout=120))
+    assert [seen for seen, _, _ in record][3:] == [(4, 3), (5, 3), (6, 4)]
+    # iteration 4 (the first evaluation) reopens: probe + after step; iteration 5's first
+    # check closes the group again
+    assert [count for _, count, _ in record] == [2, 4, 5, 7, 8, 8]
+    caught = run_distributed(_run, 2, {"iterations": 5, "eval": {4}, "bad": {4}}, timeout=120)
+    assert _same_everywhere(caught)[:2] == ("caught", 4)
+
+
+def test_a_loop_without_the_schedules_is_marked_by_finalize_model_grads():
+    script = {"iterations": 5, "plain": {1, 2, 3, 4, 5}}
+    record = _same_everywhere(run_distributed(_run, 2, script, timeout=120))
+    assert [seen for seen, _, _ in record] == [(i, i) for i in range(1, 6)]
+    # finalize_model_grads marks an iteration after its forward: iteration 3's probe is still
+    # agreed, its check after the step carries "done"
+    assert [count for _, count, _ in record] == [2, 4, 6, 6, 6]
+
+
+def test_a_loop_with_only_an_optimizer_is_marked_by_its_steps():
+    """The weakest mark (rule 1): torch's optimizer step hook. Iteration 3's probe is agreed
+    before its step marks the iteration; the check after that step closes the group. The
+    schedule, once seen, is the only mark that counts."""
+    script = {"iterations": 5, "sgd": {1, 2, 3, 4, 5}}
+    record = _same_everywhere(run_distributed(_run, 2, script, timeout=120))
+    assert [seen for seen, _, _ in record] == [(i, i) for i in range(1, 6)]
+    assert [count for _, count, _ in record] == [2, 4, 6, 6, 6]
+    mixed = {"iterations": 5, "sgd": {1}}  # then the schedule: its marks alone count
+    record = _same_everywhere(run_distributed(_run, 2, mixed, timeout=120))
+    assert [seen for seen, _, _ in record] == [(i, i) for i in range(1, 6)]
+
+
+def _set_iterations(count):
+    consistency.set_window_iterations(count)
+    try:
+        return _run({"iterations": 3})
+    finally:
+        consistency.set_window_iterations(None)
+
+
+def test_the_iteration_count_is_configurable():
+    record = _same_everywhere(run_distributed(_set_iterations, 2, 1, timeout=120))
+    assert [count for _, count, _ in record] == [2, 3, 3]
+    with pytest.raises(Exception, match="iterations"):
+        consistency.set_window_iterations(-1)
+
+
+# --- NOTE [ Host-side agreement ]: the gloo shadow of a device-only group ----------------------
+
+
+def _through_shadows():
+    from megatron_core.parallel_state import agreement
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    tp = ps.get_tensor_model_parallel_group()
+    mine = dist.get_process_group_ranks(tp)
+    # every rank creates every group; ``twin`` has the ranks of ``tp``: one shadow serves both
+    pairs = {low: dist.new_group([low, low + 1]) for low in range(0, dist.get_world_size(), 2)}
+    twin = pairs[mine[0]]
+    agreement._SHADOW_GLOO_GROUPS = True  # run the NCCL path's exchange on this CPU
+    try:
+        with consistency.check_mode(consistency.CheckMode.ALWAYS):
+            consistency.check_collective("fine", tp, torch.zeros(2))
+            consistency.check_collective("fine", twin, torch.zeros(2))
+            shadow = agreement.host_group(tp)
+            shared = shadow is agreement.host_group(twin) and shadow is not tp
+            rows = 3 if dist.get_rank() % 2 else 2
+            try:
+                consistency.check_collective("probe", tp, torch.zeros(rows))
+                caught = None
+            except RankDisagreementError as exc:
+                caught = str(exc)
+        return shared, dist.get_process_group_ranks(shadow), caught
+    finally:
+        agreement._SHADOW_GLOO_GROUPS = False
+        agreement._SHADOWS.clear()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_agreements_of_a_device_group_run_on_its_gloo_shadow(world_size):
+    results = run_distributed(_through_shadows, world_size, timeout=120)
+    for rank, (shared, shadow_ranks, caught) in enumerate(results):
+        assert shared
+        assert shadow_ranks == [rank - rank % 2, rank - rank % 2 + 1]  # the TP pair
+        # the disagreement is still caught, named on the original group
+        assert "probe" in caught and "(2,)" in caught and "(3,)" in caught
+        assert f"global ranks [{rank - rank % 2}, {rank - rank % 2 + 1}]" in caught
