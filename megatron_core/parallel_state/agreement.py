@@ -30,6 +30,8 @@ __all__ = [
     "exchange",
     "exchange_text",
     "host_group",
+    "needs_shadow",
+    "add_shadow",
     "agree_on_arguments",
     "add_agreed_setting",
 ]
@@ -66,12 +68,14 @@ def hash_text(text: str) -> int:
 # tensors. On a device-only group (NCCL) the exchange would run on the device, and reading the
 # table back would make the host wait for the device's whole queue (every kernel launched
 # before the check): while the check window is open, the host could no longer run ahead of the
-# GPU. So such a group gets a gloo shadow: a gloo group of the same ranks, created at the
-# group's first agreement with ``use_local_synchronization`` (only its members take part, and
-# all of them are at that agreement), one per distinct rank list (every group of those ranks
-# shares it). The exchange then waits for the peers' hosts only, under the peer deadline like
-# any gloo wait. A torch that cannot create it (no gloo) falls back to the device exchange.
-_SHADOWS: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+# GPU. So every device-only group the package creates (parallel_state's, through
+# groups.create_group) gets a gloo shadow: a gloo group of the same ranks, created right after
+# it, by every rank in the same order as the group itself (a shadow created lazily at the first
+# agreement would need torch's use_local_synchronization, whose group names depend on how many
+# groups each rank already knows, so members that differ there never meet). The exchange then
+# waits for the peers' hosts only, under the peer deadline like any gloo wait. A device-only
+# group created elsewhere (by the user) has no shadow: its agreements run on the device.
+_SHADOWS: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
 _SHADOW_GLOO_GROUPS = False  # tests: shadow gloo groups too, to run the path on a CPU
 
 
@@ -79,28 +83,21 @@ def _runs_cpu_tensors(group: dist.ProcessGroup) -> bool:
     return "gloo" in str(dist.get_backend(group))
 
 
+def needs_shadow(backend) -> bool:
+    """Whether a group of ``backend`` (None: the default group's) gets a gloo shadow."""
+    name = str(dist.get_backend() if backend is None else backend)
+    return _SHADOW_GLOO_GROUPS or "gloo" not in name
+
+
+def add_shadow(group: dist.ProcessGroup, shadow: dist.ProcessGroup) -> None:
+    """Exchange ``group``'s agreements on ``shadow`` (a gloo group of the same ranks)."""
+    _SHADOWS[group] = shadow
+
+
 def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The group an agreement over ``group`` exchanges on: ``group`` itself where it runs CPU
-    tensors, else its gloo shadow (NOTE [ Host-side agreement ]). The first call for a rank list
-    is collective over its members."""
-    if _runs_cpu_tensors(group) and not _SHADOW_GLOO_GROUPS:
-        return group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    shadow = _SHADOWS.get(ranks)
-    if shadow is not None:
-        try:
-            dist.get_backend(shadow)  # still registered (not destroyed with the default group)
-            return shadow
-        except (ValueError, RuntimeError):
-            pass
-    elif ranks in _SHADOWS:
-        return group  # no gloo here: the device exchange
-    try:
-        shadow = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-    except (RuntimeError, ValueError):
-        shadow = None
-    _SHADOWS[ranks] = shadow
-    return group if shadow is None else shadow
+    """The group an agreement over ``group`` exchanges on: its gloo shadow where it has one,
+    else ``group`` itself (NOTE [ Host-side agreement ]). No collective runs."""
+    return _SHADOWS.get(group, group)
 
 
 def _buffer_device(group: dist.ProcessGroup) -> torch.device:

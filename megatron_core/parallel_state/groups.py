@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_core import device
 from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state import agreement
 from megatron_core.parallel_state.rank_generator import (
     hierarchical_rank_groups,
     hybrid_dp_cp_rank_groups,
@@ -164,6 +165,11 @@ def create_group(
         group_desc=group_desc,
     )
     _register(group, range(dist.get_world_size()) if ranks is None else ranks)
+    if not use_local_synchronization and agreement.needs_shadow(backend):
+        # NOTE [ Host-side agreement ]: every rank, in the group's order
+        shadow = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            agreement.add_shadow(group, shadow)
     return group
 
 

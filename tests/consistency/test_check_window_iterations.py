@@ -174,28 +174,28 @@ def test_the_iteration_count_is_configurable():
 
 
 def _through_shadows():
-    from megatron_core.parallel_state import agreement
+    from megatron_core.parallel_state import agreement, groups
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    tp = ps.get_tensor_model_parallel_group()
-    mine = dist.get_process_group_ranks(tp)
-    # every rank creates every group; ``twin`` has the ranks of ``tp``: one shadow serves both
-    pairs = {low: dist.new_group([low, low + 1]) for low in range(0, dist.get_world_size(), 2)}
-    twin = pairs[mine[0]]
-    agreement._SHADOW_GLOO_GROUPS = True  # run the NCCL path's exchange on this CPU
+    agreement._SHADOW_GLOO_GROUPS = True  # shadow gloo groups too: the NCCL path on this CPU
     try:
+        # every rank creates every pair, as parallel_state does; each gets its shadow
+        pairs = [groups.create_group([low, low + 1]) for low in range(0, dist.get_world_size(), 2)]
+        pair = pairs[dist.get_rank() // 2]
+        shadow = agreement.host_group(pair)
         with consistency.check_mode(consistency.CheckMode.ALWAYS):
-            consistency.check_collective("fine", tp, torch.zeros(2))
-            consistency.check_collective("fine", twin, torch.zeros(2))
-            shadow = agreement.host_group(tp)
-            shared = shadow is agreement.host_group(twin) and shadow is not tp
+            consistency.check_collective("fine", pair, torch.zeros(2))
             rows = 3 if dist.get_rank() % 2 else 2
             try:
-                consistency.check_collective("probe", tp, torch.zeros(rows))
+                consistency.check_collective("probe", pair, torch.zeros(rows))
                 caught = None
             except RankDisagreementError as exc:
                 caught = str(exc)
-        return shared, dist.get_process_group_ranks(shadow), caught
+        return (
+            shadow is not pair,
+            dist.get_backend(shadow),
+            dist.get_process_group_ranks(shadow),
+            caught,
+        )
     finally:
         agreement._SHADOW_GLOO_GROUPS = False
         agreement._SHADOWS.clear()
@@ -204,9 +204,9 @@ def _through_shadows():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_agreements_of_a_device_group_run_on_its_gloo_shadow(world_size):
     results = run_distributed(_through_shadows, world_size, timeout=120)
-    for rank, (shared, shadow_ranks, caught) in enumerate(results):
-        assert shared
-        assert shadow_ranks == [rank - rank % 2, rank - rank % 2 + 1]  # the TP pair
-        # the disagreement is still caught, named on the original group
+    for rank, (own_shadow, backend, shadow_ranks, caught) in enumerate(results):
+        low = rank - rank % 2
+        assert own_shadow and backend == "gloo" and shadow_ranks == [low, low + 1]
+        # the disagreement is still caught, named on the group itself
         assert "probe" in caught and "(2,)" in caught and "(3,)" in caught
-        assert f"global ranks [{rank - rank % 2}, {rank - rank % 2 + 1}]" in caught
+        assert f"global ranks [{low}, {low + 1}]" in caught

@@ -13,7 +13,6 @@ from megatron_core import megatron as switch
 from megatron_core.errors import MegatronCoreError
 from megatron_core.testing import run_distributed
 
-
 # Not API: availability flags of optional dependencies and module loggers.
 NOT_API = {"HAVE_EINOPS", "HAVE_TE", "HAVE_DTENSOR", "IS_CHECKPOINTING", "HAVE_APEX", "logger"}
 
