@@ -133,3 +133,31 @@ def graph_safe_generators() -> bool:
     """Whether this torch's generators have graph-safe states (``Generator.graphsafe_get_state``,
     which CUDA graphs need to capture draws)."""
     return hasattr(torch.Generator, "graphsafe_get_state")
+
+
+def current_graph_task_id() -> int:
+    """The id of the autograd backward running in this thread, -1 outside any backward
+    (``torch._C._current_graph_task_id``; no public equivalent; -1 where a build lacks it)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if task_id is None else task_id()
+
+
+def current_graph_exec_group():
+    """The checkpoint graph-execution group of the backward running now (newer torch's
+    ``torch.utils.checkpoint.GraphExecGroup``), None where none runs or torch has none."""
+    group_cls = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    return group_cls._get_current_group() if group_cls is not None else None
+
+
+def enclosing_saved_tensors_hooks():
+    """The (pack, unpack) pair of the innermost ``saved_tensors_hooks`` context around the
+    caller, or None (torch's private ``_top_saved_tensors_default_hooks``; None where absent)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def backend_config_text() -> str:
+    """The default group's backend with its per-device map where torch keeps one
+    (``get_backend_config``), else ``get_backend()``."""
+    config = getattr(dist, "get_backend_config", None)
+    return str(config() if config is not None else dist.get_backend())

@@ -37,7 +37,7 @@ import warnings
 
 import torch
 
-from megatron_core import flags
+from megatron_core import compat, flags
 from megatron_core.errors import MegatronCoreError
 
 __all__ = [
@@ -99,9 +99,7 @@ def device_type() -> str:
 
 def _initialized_backend() -> str:
     """The default group's backend string, with its per-device map where torch keeps one."""
-    dist = torch.distributed
-    config = getattr(dist, "get_backend_config", None)
-    return str(config() if config is not None else dist.get_backend())
+    return compat.backend_config_text()
 
 
 def backend_uses_cuda(backend: str | None) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_core import compat
 from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 __all__ = ["WgradStore"]
@@ -37,8 +38,7 @@ __all__ = ["WgradStore"]
 
 def _in_backward() -> bool:
     """True inside an autograd backward pass (e.g. an activation recompute)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)  # no public equivalent
-    return task_id is not None and task_id() != -1
+    return compat.current_graph_task_id() != -1
 
 
 class _RecordOutputGrad(torch.autograd.Function):

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from megatron_core import compat
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.recompute.entry_points import capture_saved_inputs
 
@@ -230,8 +231,7 @@ def _hook_pair(
     report: SavedActivationReport,
 ) -> tuple[Callable[[torch.Tensor], _Packed], Callable[[_Packed], torch.Tensor]]:
     """Pack/unpack hooks that count into ``report`` and forward to the enclosing pair (rule 5)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    enclosing = top(False) if top is not None else None
+    enclosing = compat.enclosing_saved_tensors_hooks()
 
     def pack(t: torch.Tensor) -> _Packed:
         report._drain()

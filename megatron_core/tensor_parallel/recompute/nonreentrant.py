@@ -135,11 +135,10 @@ def _resolve_early_stop(early_stop: bool) -> bool:
 
 def _graph_task_id() -> Any:
     """The key of the backward running now (rule 2); None outside any backward."""
-    group_cls = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
-    group = group_cls._get_current_group() if group_cls is not None else None
+    group = compat.current_graph_exec_group()
     if group is not None:
         return group
-    gid = torch._C._current_graph_task_id()
+    gid = compat.current_graph_task_id()
     return None if gid == -1 else gid
 
 
