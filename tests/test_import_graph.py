@@ -33,6 +33,7 @@ LEVELS = {
     "deepspeed_checkpointing": 3,
     "pipeline_parallel": 4,
     "distributed": 4,
+    "context_parallel": 4,
     "transformer": 5,
     "training": 6,
     "megatron": 7,
