@@ -179,3 +179,40 @@ def test_bad_input_is_refused_on_every_rank_before_any_collective(case, message)
 
     for text in run_distributed(_bad_input, 4, case, timeout=120):
         assert re.search(message, text), text
+
+
+# --- saved bytes per rank (NOTE [ Context parallelism ], rule 3) --------------------------------
+
+
+def _saved_bytes(seq, comm, group):
+    """Bytes the attention saves for backward on this rank (saved-tensor hooks)."""
+    total = []
+
+    def pack(t):
+        total.append(t.numel() * t.element_size())
+        return t
+
+    gen = torch.Generator().manual_seed(5)
+    full = [torch.randn(seq, B, H, D, generator=gen) for _ in range(3)]
+    parts = [split_for_context_parallel(x, 0, group).requires_grad_() for x in full]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        context_parallel_attention(*parts, cp_group=group, cp_comm_type=comm)
+    return sum(total)
+
+
+def _saved_body():
+    ps.initialize_model_parallel(context_parallel_size=dist.get_world_size())
+    group = ps.get_context_parallel_group()
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    seq = 64 * group.size()
+    alone = _saved_bytes(seq, "p2p", singles[dist.get_rank()])
+    return alone, {comm: _saved_bytes(seq, comm, group) for comm in ("p2p", "all_gather", "a2a")}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_saved_bytes_per_rank_scale_as_one_over_cp(world_size):
+    for alone, split in run_distributed(_saved_body, world_size, timeout=120):
+        for comm, saved in split.items():
+            # Q, K, V, the fp32 output and lse: 1/cp of one rank's; the position indices (8
+            # bytes a position, of the whole sequence for all_gather's keys and a2a) are extra
+            assert 0.95 <= saved * world_size / alone <= 1.1, (comm, saved, alone)
