@@ -31,7 +31,7 @@ import warnings
 
 from megatron_core import flags
 from megatron_core.errors import MegatronCoreError
-from megatron_core.megatron import _children, cpu_mode
+from megatron_core.megatron import _children, cpu_mode, without_te
 from megatron_core.megatron._finder import MegatronSwitchFinder
 
 __all__ = [
@@ -195,6 +195,7 @@ def install(cuda_on_cpu: bool | None = None) -> None:
         from megatron_core.tensor_parallel.linear_base import set_expert_grad_rule
 
         set_expert_grad_rule("0.16" if release.startswith("0.16.") else "0.19")
+        without_te.arm()  # NOTE [ Without Transformer Engine ]
     if want is not None:
         cpu_mode.configure(want)
     # NOTE [ Switch in every process ] in _children.py
@@ -210,6 +211,7 @@ def uninstall() -> None:
         sys.meta_path.remove(_FINDER)
     _FINDER = None
     _children.disarm()
+    without_te.disarm()
     from megatron_core.tensor_parallel.linear_base import set_expert_grad_rule
 
     set_expert_grad_rule("0.19")

@@ -1,0 +1,184 @@
+"""What megatron-core's own modules refuse without Transformer Engine, done by this package:
+a table of adapters applied to megatron-core modules as the switch imports them.
+
+# NOTE [ Without Transformer Engine ]
+1. :data:`ADAPTERS` maps a megatron-core module to {name: adapter}; when the module is imported
+   under the switch (or at ``install()``, if it already was), each adapter is called with the
+   module's object of that name and its result replaces it, before any other module imports the
+   name. The adapters hold on GPUs and CPUs alike (unlike the CPU mode's, cpu_mode.py).
+2. Context parallelism (NOTE [ Context parallelism ]): megatron-core's local
+   ``DotProductAttention`` asserts ``context_parallel_size == 1``. Adapted, it is built as at
+   CP=1 and, where the config's CP size is above 1, its forward runs
+   :func:`~megatron_core.context_parallel.context_parallel_attention` over the CP group
+   (``pg_collection.cp``, else parallel_state's), with the layer's ``cp_comm_type`` (else the
+   config's, else ``"p2p"``), its softmax scale, causal exactly when the layer's mask type is
+   causal. At CP=1 the forward is megatron-core's own, unchanged. Refused with a clear error
+   (at construction or in forward): attention dropout > 0, an explicit attention mask, packed
+   sequences and attention bias with CP > 1.
+3. ``rope_utils.get_pos_emb_on_this_cp_rank`` builds its index with ``pin_memory=True`` and
+   ``.cuda()``; it becomes this package's (the same rows, on the table's device).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import sys
+
+from megatron_core.errors import MegatronCoreError
+
+__all__ = ["ADAPTERS", "arm", "disarm"]
+
+
+def _cp_size_of(config) -> int:
+    return int(getattr(config, "context_parallel_size", 1) or 1)
+
+
+def _context_parallel_attention(cls):
+    """Rule 2: megatron-core's DotProductAttention, with context parallelism."""
+    original_init, original_forward = cls.__init__, cls.forward
+
+    @functools.wraps(original_init)
+    def __init__(self, config, layer_number, *args, **kwargs):
+        cp = _cp_size_of(config)
+        if cp == 1:
+            original_init(self, config, layer_number, *args, **kwargs)
+            self._megatron_core_cp = 1
+            return
+        dropout = kwargs.get("attention_dropout")
+        dropout = config.attention_dropout if dropout is None else dropout
+        if dropout:
+            raise MegatronCoreError(
+                f"DotProductAttention: attention_dropout ({dropout}) with context_parallel_size "
+                f"({cp}) is not supported by this package's context parallelism; set it to 0"
+            )
+        config.context_parallel_size = 1  # megatron-core's assert; restored at once
+        try:
+            original_init(self, config, layer_number, *args, **kwargs)
+        finally:
+            config.context_parallel_size = cp
+        comm = kwargs.get("cp_comm_type") or getattr(config, "cp_comm_type", None) or "p2p"
+        if isinstance(comm, (list, tuple)):
+            comm = comm[max(1, layer_number) - 1]
+        pg_collection = kwargs.get("pg_collection")
+        self._megatron_core_cp = cp
+        self._megatron_core_cp_comm_type = comm
+        self._megatron_core_cp_group = getattr(pg_collection, "cp", None)
+
+    @functools.wraps(original_forward)
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **kwargs):  # fmt: skip
+        if getattr(self, "_megatron_core_cp", 1) == 1:
+            return original_forward(
+                self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+                packed_seq_params, **kwargs,
+            )  # fmt: skip
+        from megatron.core.transformer.enums import AttnMaskType
+
+        from megatron_core.context_parallel import context_parallel_attention
+
+        if packed_seq_params is not None or attention_bias is not None:
+            raise MegatronCoreError(
+                "DotProductAttention with context parallelism: packed sequences and attention "
+                "bias are not supported by this package's context parallelism"
+            )
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        causal = mask_type == AttnMaskType.causal
+        if attention_mask is not None and not causal:
+            raise MegatronCoreError(
+                f"DotProductAttention with context parallelism: an explicit attention mask "
+                f"(mask type {mask_type}) is not supported; causal or no mask only"
+            )
+        out = context_parallel_attention(
+            query, key, value, cp_group=self._megatron_core_cp_group,
+            cp_comm_type=self._megatron_core_cp_comm_type, causal=causal,
+            softmax_scale=self.softmax_scale,
+        )  # fmt: skip
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+    cls.__init__, cls.forward = __init__, forward
+    return cls
+
+
+def _pos_emb_on_this_cp_rank(original):
+    """Rule 3."""
+    from megatron_core.context_parallel import get_pos_emb_on_this_cp_rank
+
+    @functools.wraps(original)
+    def get_pos_emb(pos_emb, seq_dim, cp_group):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        return get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group)
+
+    return get_pos_emb
+
+
+ADAPTERS: dict[str, dict[str, object]] = {
+    "megatron.core.transformer.dot_product_attention": {
+        "DotProductAttention": _context_parallel_attention
+    },
+    "megatron.core.models.common.embeddings.rope_utils": {
+        "get_pos_emb_on_this_cp_rank": _pos_emb_on_this_cp_rank
+    },
+}
+_ADAPTED: set[str] = set()  # modules already adapted (once per module object)
+_FINDER: list = [None]
+
+
+def _adapt(module) -> None:
+    if module.__name__ in _ADAPTED:
+        return
+    _ADAPTED.add(module.__name__)
+    for name, adapter in ADAPTERS.get(module.__name__, {}).items():
+        original = getattr(module, name, None)
+        if original is not None:
+            setattr(module, name, adapter(original))
+
+
+class _AdaptingLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        _adapt(module)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+class _AdaptingFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in ADAPTERS:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _AdaptingLoader(spec.loader)
+                return spec
+        return None
+
+
+def arm() -> None:
+    """Apply :data:`ADAPTERS` to megatron-core modules imported from now on and to those
+    already imported (idempotent)."""
+    if _FINDER[0] is None:
+        _FINDER[0] = _AdaptingFinder()
+        sys.meta_path.insert(0, _FINDER[0])
+    for name in ADAPTERS:
+        if name in sys.modules:
+            _adapt(sys.modules[name])
+
+
+def disarm() -> None:
+    """Stop adapting modules imported later (adapted ones keep their adapters)."""
+    if _FINDER[0] is not None and _FINDER[0] in sys.meta_path:
+        sys.meta_path.remove(_FINDER[0])
+    _FINDER[0] = None

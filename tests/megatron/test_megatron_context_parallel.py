@@ -1,0 +1,108 @@
+"""megatron-core's own GPTModel (local spec, RoPE, tied embeddings) with context_parallel_size 2
+through the switch (NOTE [ Without Transformer Engine ], rule 2), against the same model at
+CP=1 on one rank: the same batches, megatron-core's DistributedDataParallel and
+finalize_model_grads, three SGD steps; every comm type. Losses (the mean over the CP ranks of
+their per-token means: equal token counts, so the global mean) and every parameter must match
+to 1e-5. megatron-core's own modules refuse CP without Transformer Engine; here nothing but
+``context_parallel_size`` and ``cp_comm_type`` changes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_core.testing import run_distributed
+
+SEQ, BATCH, VOCAB, STEPS = 16, 2, 64, 3
+
+
+def _train(comm: str):
+    from megatron_core import megatron as switch
+
+    switch.install()
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_core.context_parallel import get_batch_on_this_cp_rank
+
+    cp = dist.get_world_size()
+    parallel_state.initialize_model_parallel(context_parallel_size=cp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        context_parallel_size=cp, cp_comm_type=comm, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPTModel(
+        config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+        position_embedding_type="rope",
+    )  # fmt: skip
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    losses = []
+    for step in range(STEPS):
+        tokens = torch.randint(
+            0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step)
+        )
+        batch = get_batch_on_this_cp_rank({
+            "tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+            "position_ids": torch.arange(SEQ).expand(BATCH, SEQ),
+        })  # fmt: skip
+        model.zero_grad_buffer()
+        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
+        loss.backward()
+        finalize_model_grads([model])
+        with torch.no_grad():
+            for param in model.parameters():
+                param.sub_(0.1 * param.main_grad)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / cp)
+    return losses, {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+@pytest.mark.requires_megatron_core
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_gpt_model_at_cp2_trains_as_at_cp1(comm):
+    ((ref_losses, ref_params),) = run_distributed(_train, 1, comm, timeout=300)
+    for losses, params in run_distributed(_train, 2, comm, timeout=300):
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0
+        )
+        assert params.keys() == ref_params.keys()
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _dropout_refused():
+    from megatron_core import megatron as switch
+
+    switch.install()
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, context_parallel_size=2,
+        use_cpu_initialization=True, attention_dropout=0.1,
+    )  # fmt: skip
+    try:
+        GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ)
+    except Exception as error:  # noqa: BLE001 - the message is what is checked
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.requires_megatron_core
+def test_attention_dropout_with_cp_is_refused_by_name():
+    for message in run_distributed(_dropout_refused, 2, timeout=120):
+        assert "attention_dropout (0.1) with context_parallel_size (2)" in message
