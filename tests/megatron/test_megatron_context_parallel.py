@@ -15,7 +15,7 @@ from megatron_core.testing import run_distributed
 SEQ, BATCH, VOCAB, STEPS = 16, 2, 64, 3
 
 
-def _train(comm: str):
+def _train(comm: str, tp: int = 1):
     from megatron_core import megatron as switch
 
     switch.install()
@@ -31,13 +31,15 @@ def _train(comm: str):
 
     from megatron_core.context_parallel import get_batch_on_this_cp_rank
 
-    cp = dist.get_world_size()
-    parallel_state.initialize_model_parallel(context_parallel_size=cp)
+    cp = dist.get_world_size() // tp
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(1)
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        context_parallel_size=cp, cp_comm_type=comm, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
     model = GPTModel(
@@ -62,7 +64,7 @@ def _train(comm: str):
             for param in model.parameters():
                 param.sub_(0.1 * param.main_grad)
         total = loss.detach().clone()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=parallel_state.get_context_parallel_group())
         losses.append(total.item() / cp)
     return losses, {n: p.detach().clone() for n, p in model.module.named_parameters()}
 
@@ -106,3 +108,17 @@ def _dropout_refused():
 def test_attention_dropout_with_cp_is_refused_by_name():
     for message in run_distributed(_dropout_refused, 2, timeout=120):
         assert "attention_dropout (0.1) with context_parallel_size (2)" in message
+
+
+@pytest.mark.requires_megatron_core
+def test_gpt_model_at_tp2_cp2_trains_as_at_tp2():
+    """TP=2 x CP=2 (4 ranks, TP fastest: ranks 0-1 and 2-3 are TP pairs) against TP=2 (2
+    ranks): each TP rank's shards and the losses match."""
+    reference = run_distributed(_train, 2, "p2p", 2, timeout=300)
+    for rank, (losses, params) in enumerate(run_distributed(_train, 4, "p2p", 2, timeout=300)):
+        ref_losses, ref_params = reference[rank % 2]
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0
+        )
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-6, msg=name)
