@@ -50,7 +50,7 @@ _ARGUMENTS = [
         ],
     ),
     (
-        "parallelism (data-parallel size = world size / (tp * pp))",
+        "parallelism (data-parallel size = world size / (tp * pp * cp))",
         [
             (
                 "--tensor-model-parallel-size",
@@ -72,6 +72,19 @@ _ARGUMENTS = [
                 _POS,
                 "layers per model chunk: vp = num layers / (pp * this) chunks per stage, run by "
                 "the interleaved 1F1B schedule (None: no interleaving)",
+            ),
+            (
+                "--context-parallel-size",
+                1,
+                _POS,
+                "ranks that split the sequence for attention (NOTE [ Context parallelism ]; "
+                "--seq-length divisible by 2 * this, --attention-dropout 0)",
+            ),
+            (
+                "--cp-comm-type",
+                "p2p",
+                {"choices": ["p2p", "all_gather", "a2a"]},
+                "how context-parallel attention reaches the other ranks' keys",
             ),
             (
                 "--sequence-parallel",
@@ -254,19 +267,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _cp(args: argparse.Namespace) -> int:
+    return getattr(args, "context_parallel_size", 1) or 1
+
+
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
-    """world_size / (tp * pp)."""
-    return world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    """world_size / (tp * pp * cp)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    return world_size // (tp * pp * _cp(args))
 
 
 def _tp_sizes_that_fit(args: argparse.Namespace, world_size: int) -> list[int]:
     """TP sizes that divide world size / pp and every split width (heads, hidden, MLP, and the
     sequence under sequence parallelism), ascending."""
-    pp = args.pipeline_model_parallel_size
+    pp = args.pipeline_model_parallel_size * _cp(args)
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
     widths = [args.num_attention_heads, args.hidden_size, ffn]
     if args.sequence_parallel:
-        widths.append(args.seq_length)
+        widths.append(args.seq_length // _cp(args))
     return [
         tp
         for tp in range(1, world_size // pp + 1)
@@ -275,22 +293,38 @@ def _tp_sizes_that_fit(args: argparse.Namespace, world_size: int) -> list[int]:
 
 
 def _check_tp(args: argparse.Namespace, world_size: int, fits: list[int]) -> None:
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, _cp(args)
     hint = f"; use --tensor-model-parallel-size {' or '.join(map(str, fits))}" if fits else ""
-    if world_size % (tp * pp):
+    if world_size % (tp * pp * cp):
         raise MegatronCoreError(
             f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) "
-            f"* --pipeline-model-parallel-size ({pp}){hint}"
+            f"* --pipeline-model-parallel-size ({pp}) * --context-parallel-size ({cp}){hint}"
         )
     if args.num_attention_heads % tp:
         raise MegatronCoreError(
             f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
             f"--tensor-model-parallel-size ({tp}){hint}"
         )
-    if args.sequence_parallel and args.seq_length % tp:
+    if args.sequence_parallel and (args.seq_length // cp) % tp:
         raise MegatronCoreError(
-            f"--seq-length ({args.seq_length}) must be divisible by --tensor-model-parallel-size "
-            f"({tp}) with --sequence-parallel{hint}"
+            f"--seq-length ({args.seq_length}) / --context-parallel-size ({cp}) must be divisible "
+            f"by --tensor-model-parallel-size ({tp}) with --sequence-parallel{hint}"
+        )
+
+
+def _check_cp(args: argparse.Namespace) -> None:
+    cp = _cp(args)
+    if cp == 1:
+        return
+    if args.seq_length % (2 * cp):
+        raise MegatronCoreError(
+            f"--seq-length ({args.seq_length}) must be divisible by 2 * --context-parallel-size "
+            f"({2 * cp})"
+        )
+    if args.attention_dropout:
+        raise MegatronCoreError(
+            f"--attention-dropout ({args.attention_dropout}) must be 0 with "
+            f"--context-parallel-size ({cp})"
         )
 
 
@@ -312,6 +346,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                 f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size})"
             )
         args.tensor_model_parallel_size = fits[-1]
+    _check_cp(args)
     _check_tp(args, world_size, fits)
     dp = data_parallel_size(args, world_size)
     step = args.micro_batch_size * dp

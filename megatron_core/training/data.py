@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from megatron_core import device, parallel_state
+from megatron_core.context_parallel import split_for_context_parallel
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.data import broadcast_data
 
@@ -89,7 +90,8 @@ def get_batch(corpus: ByteCorpus, args, iteration: int, microbatch: int):
 
     The data-parallel rank d takes rows [d * B/dp, (d + 1) * B/dp) of the global batch B and
     microbatch m of that share. Tensor-parallel rank 0 builds it and ``broadcast_data`` sends it
-    to the rest of its TP group, as megatron does.
+    to the rest of its TP group, as megatron does. Under context parallelism each rank keeps
+    its part of the sequence ([micro batch, seq_length / cp]: chunks r and 2 cp - 1 - r).
     """
     dp_size = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -100,4 +102,7 @@ def get_batch(corpus: ByteCorpus, args, iteration: int, microbatch: int):
         batch = corpus.global_batch(iteration, args.global_batch_size, args.seq_length, args.seed)
         data = {"text": batch[start : start + args.micro_batch_size].to(device.current_device())}
     text = broadcast_data(["text"], data, torch.int64)["text"]
-    return text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    tokens, labels = text[:, :-1], text[:, 1:]
+    # this context-parallel rank's part of the sequence (NOTE [ Context parallelism ])
+    tokens, labels = (split_for_context_parallel(x, 1) for x in (tokens, labels))
+    return tokens.contiguous(), labels.contiguous()

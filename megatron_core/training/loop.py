@@ -146,6 +146,8 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
+        context_parallel_size=args.context_parallel_size,
+        cp_comm_type=args.cp_comm_type,
         pipeline_dtype=_pipeline_dtype(args),
         sequence_parallel=sequence_parallel,
         use_cpu_initialization=True,
@@ -290,10 +292,15 @@ def _train_step(model, optimizer, corpus: ByteCorpus, args: argparse.Namespace, 
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(args, step)
     optimizer.step()
+    # every data x context rank's mean over its tokens: equal token counts, so their mean is
+    # the global batch's per-token mean (NOTE [ Context parallelism ])
     consistency.checked_all_reduce(
-        "loss all_reduce", total, parallel_state.get_data_parallel_group()
+        "loss all_reduce",
+        total,
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
     )
-    return total.item() / dp_size, activation_bytes
+    cp_size = parallel_state.get_context_parallel_world_size()
+    return total.item() / (dp_size * cp_size), activation_bytes
 
 
 def _count_parameters(model: torch.nn.Module) -> int:
@@ -311,10 +318,13 @@ def _describe(args, corpus: ByteCorpus, config: TransformerConfig, num_parameter
     if config.recompute_granularity == "full":
         recompute += f" ({config.recompute_method}, {config.recompute_num_layers} layers"
         recompute += ", distributed)" if config.distribute_saved_activations else ")"
+    cp = f"cp={config.context_parallel_size}"
+    if config.context_parallel_size > 1:
+        cp += f" ({config.cp_comm_type})"
     return (
         f"train_gpt: {dist.get_world_size()} ranks on {device.device_type()} "
         f"({dist.get_backend()}): tp={config.tensor_model_parallel_size} "
-        f"pp={config.pipeline_model_parallel_size} dp={dp} "
+        f"pp={config.pipeline_model_parallel_size} dp={dp} {cp} "
         f"sequence_parallel={config.sequence_parallel} recompute={recompute}\n"
         f"model: {config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_attention_heads} heads, seq {args.seq_length}, {num_parameters:,} "
@@ -424,7 +434,11 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
         start, resume_lines = _resume(args, model, optimizer)
     tokens_per_iteration = args.global_batch_size * args.seq_length
     progress = Progress(
-        dist.get_rank() == 0, args.train_iters, args.log_interval, tokens_per_iteration
+        dist.get_rank() == 0,
+        args.train_iters,
+        args.log_interval,
+        tokens_per_iteration,
+        dist.get_world_size(),
     )
     progress.print(_describe(args, corpus, config, num_parameters))
     for line in resume_lines:
@@ -499,6 +513,7 @@ def train(args: argparse.Namespace, corpus: ByteCorpus | None = None) -> Trainin
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
+        context_parallel_size=args.context_parallel_size,
     )
     try:
         return _run(args, config, corpus)

@@ -30,9 +30,15 @@ class Progress:
     """
 
     def __init__(
-        self, enabled: bool, train_iters: int, log_interval: int, tokens_per_iteration: int
+        self,
+        enabled: bool,
+        train_iters: int,
+        log_interval: int,
+        tokens_per_iteration: int,
+        world_size: int = 1,
     ):
         self.enabled = enabled
+        self.world_size = world_size
         self.train_iters = train_iters
         self.log_interval = log_interval
         self.tokens_per_iteration = tokens_per_iteration
@@ -60,6 +66,7 @@ class Progress:
         self.print(
             f"iteration {iteration:>6}/{self.train_iters} | loss {mean_loss:.4f}"
             f" | lr {lr:.2e} | {self.tokens_per_iteration / seconds:,.0f} tokens/s"
+            f" ({self.tokens_per_iteration / seconds / self.world_size:,.0f} per rank)"
             f" | {1000 * seconds:.1f} ms/iter | activations {format_bytes(activation_bytes)}"
         )
         self.window, self.window_start = [], now

@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from megatron_core import parallel_state
+from megatron_core.context_parallel import context_parallel_attention
 from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron_core.tensor_parallel.recompute.entry_points import checkpoint
@@ -38,6 +40,7 @@ class CoreAttention(torch.nn.Module):
         super().__init__()
         self.norm_factor = math.sqrt(config.kv_channels)
         self.attention_dropout = torch.nn.Dropout(config.attention_dropout)
+        self.cp_comm_type = config.cp_comm_type if config.context_parallel_size > 1 else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Attend causally.
@@ -49,6 +52,12 @@ class CoreAttention(torch.nn.Module):
             The context [s, b, np * d].
         """
         s, b, np_, d = query.shape
+        if self.cp_comm_type is not None:  # NOTE [ Context parallelism ]: s is this rank's part
+            context = context_parallel_attention(
+                query, key, value, cp_group=parallel_state.get_context_parallel_group(),
+                cp_comm_type=self.cp_comm_type, softmax_scale=1.0 / self.norm_factor,
+            )  # fmt: skip
+            return context.reshape(s, b, np_ * d)
 
         def heads_first(x: torch.Tensor) -> torch.Tensor:  # [s, b, np, d] -> [b * np, s, d]
             return x.permute(1, 2, 0, 3).reshape(b * np_, s, d)

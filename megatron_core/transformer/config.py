@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_core.context_parallel import CP_COMM_TYPES
 from megatron_core.errors import MegatronCoreError
 from megatron_core.model_parallel_config import ModelParallelConfig
 
@@ -79,6 +80,9 @@ class TransformerConfig(ModelParallelConfig):
         recompute_num_layers: the n of recompute_method.
         distribute_saved_activations: with "full": keep each checkpoint's input split across
             the tensor-parallel group. Not with sequence parallelism.
+        cp_comm_type: with context_parallel_size > 1, how the core attention reaches the other
+            ranks' keys: "p2p" (ring), "all_gather" or "a2a" (NOTE [ Context parallelism ]).
+            Attention dropout must be 0 then.
     """
 
     num_layers: int = 0
@@ -98,12 +102,14 @@ class TransformerConfig(ModelParallelConfig):
     recompute_num_layers: int | None = None
     distribute_saved_activations: bool = False
     recompute_modules: list[str] | None = None
+    cp_comm_type: str = "p2p"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_shapes()
         self._check_recompute()
         self._check_pipeline()
+        self._check_context_parallel()
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
@@ -137,6 +143,27 @@ class TransformerConfig(ModelParallelConfig):
                 raise MegatronCoreError(
                     f"TransformerConfig: {name} ({getattr(self, name)!r}) must be in [0, 1)"
                 )
+
+    def _check_context_parallel(self) -> None:
+        cp = self.context_parallel_size
+        if cp == 1:
+            return
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise MegatronCoreError(
+                f"TransformerConfig: cp_comm_type ({self.cp_comm_type!r}) must be one of "
+                f"{CP_COMM_TYPES}"
+            )
+        if self.attention_dropout:
+            raise MegatronCoreError(
+                f"TransformerConfig: attention_dropout ({self.attention_dropout}) with "
+                f"context_parallel_size ({cp}) is not supported; set it to 0"
+            )
+        heads = self.num_attention_heads // self.tensor_model_parallel_size
+        if self.cp_comm_type == "a2a" and heads % cp:
+            raise MegatronCoreError(
+                f"TransformerConfig: cp_comm_type 'a2a' needs the heads per tensor-parallel rank "
+                f"({heads}) divisible by context_parallel_size ({cp})"
+            )
 
     def _check_pipeline(self) -> None:
         pp, vp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size

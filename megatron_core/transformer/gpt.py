@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_core import consistency, device, parallel_state
+from megatron_core.context_parallel import cp_positions
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_core.tensor_parallel.layer_params import init_from_fp32_draw
@@ -152,7 +153,13 @@ class GPTModel(torch.nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]
         words = self.embedding(input_ids)  # [b, s, h], or [s/tp, b, h] under SP
-        positions = self.position_embeddings.weight[:s]
+        cp = self.config.context_parallel_size
+        if cp > 1:  # this rank's part of the sequence (NOTE [ Context parallelism ], rule 1)
+            rank = parallel_state.get_context_parallel_rank()
+            index = cp_positions(s * cp, cp, rank, device=words.device)
+            positions = self.position_embeddings.weight.index_select(0, index)
+        else:
+            positions = self.position_embeddings.weight[:s]
         if self.config.sequence_parallel:
             part = words.shape[0]
             start = parallel_state.get_tensor_model_parallel_rank() * part
@@ -172,10 +179,16 @@ class GPTModel(torch.nn.Module):
                 f"GPTModel: input_ids must be [batch, sequence], got shape {tuple(input_ids.shape)}"
             )
         s, tp = input_ids.shape[1], self.config.tensor_model_parallel_size
-        if s > self.max_sequence_length:
+        cp = self.config.context_parallel_size
+        if s * cp > self.max_sequence_length:
             raise MegatronCoreError(
-                f"GPTModel: sequence length ({s}) exceeds max_sequence_length "
-                f"({self.max_sequence_length})"
+                f"GPTModel: sequence length ({s} x context_parallel_size {cp}) exceeds "
+                f"max_sequence_length ({self.max_sequence_length})"
+            )
+        if cp > 1 and s % 2:
+            raise MegatronCoreError(
+                f"GPTModel: this rank's part of the sequence ({s}) must be even: the sequence is "
+                f"cut into 2 * context_parallel_size ({2 * cp}) chunks"
             )
         if self.config.sequence_parallel and s % tp:
             raise MegatronCoreError(
