@@ -166,9 +166,10 @@ def _ring_exchange(buffer: torch.Tensor, group, ranks: list[int]):
     returns (received buffer, the pending works)."""
     size, rank = len(ranks), group.rank()
     received = torch.empty_like(buffer)
+    # the receive is posted first: gloo's send of a large buffer waits for its receiver
     ops = [
-        dist.P2POp(dist.isend, buffer, ranks[(rank + 1) % size], group),
         dist.P2POp(dist.irecv, received, ranks[(rank - 1) % size], group),
+        dist.P2POp(dist.isend, buffer, ranks[(rank + 1) % size], group),
     ]
     return received, dist.batch_isend_irecv(ops)
 
@@ -178,6 +179,24 @@ def _wait(works) -> None:
         work.wait()
 
 
+_RING_OVERLAP = True  # benchmarks: False waits for each block before computing (exposed)
+
+
+def _ring_part(step: int, rank: int, source: int, local: int, causal: bool):
+    """(query rows, key rows, mask) of ring step ``step``: with the causal load-balanced split a
+    block from an earlier rank is seen whole by this rank's queries through its first chunk
+    only, and one from a later rank only by this rank's second chunk, unmasked (rule 2)."""
+    everything = slice(0, local)
+    if not causal:
+        return everything, everything, False
+    if step == 0:
+        return everything, everything, True
+    half = local // 2
+    if source < rank:
+        return everything, slice(0, half), False
+    return slice(half, local), everything, False
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, seq_len, causal, scale):
@@ -185,19 +204,31 @@ class _RingAttention(torch.autograd.Function):
         ranks = dist.get_process_group_ranks(group)
         q_pos = cp_positions(seq_len, size, rank, device=q.device)
         g = q.shape[2] // k.shape[2]
+        local = q.shape[0]
         qf = _bhsd(q)
         block = torch.stack([k, v]).contiguous()  # travels round the ring
         out = lse = None
         for step in range(size):
-            if step < size - 1:  # the next block is on its way while this one is computed
+            last = step == size - 1
+            if not last:  # the next block is on its way while this one is computed
                 incoming, works = _ring_exchange(block, group, ranks)
+                if not _RING_OVERLAP:
+                    _wait(works)
+                    works = []
             source = (rank - step) % size
-            k_pos = cp_positions(seq_len, size, source, device=q.device)
-            part = _block_forward(
-                qf, _bhsd(block[0], g), _bhsd(block[1], g), q_pos, k_pos, causal, scale
-            )
-            out, lse = _merge(out, lse, *part)
-            if step < size - 1:
+            rows, keys, masked = _ring_part(step, rank, source, local, causal)
+            k_pos = cp_positions(seq_len, size, source, device=q.device)[keys]
+            part_out, part_lse = _block_forward(
+                qf[:, :, rows], _bhsd(block[0, keys], g), _bhsd(block[1, keys], g),
+                q_pos[rows], k_pos, masked, scale,
+            )  # fmt: skip
+            if out is None:
+                out, lse = part_out, part_lse
+            else:
+                out[:, :, rows], lse[:, :, rows] = _merge(
+                    out[:, :, rows], lse[:, :, rows], part_out, part_lse
+                )
+            if not last:
                 _wait(works)
                 block = incoming
         ctx.save_for_backward(q, k, v, q_pos, out, lse)
@@ -211,7 +242,7 @@ class _RingAttention(torch.autograd.Function):
         group, ranks = ctx.group, ctx.ranks
         size, rank = group.size(), group.rank()
         g = q.shape[2] // k.shape[2]
-        kv = k.shape[2]
+        kv, local = k.shape[2], q.shape[0]
         qf, dout = _bhsd(q), _bhsd(grad)
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(qf)
@@ -220,14 +251,16 @@ class _RingAttention(torch.autograd.Function):
                              torch.zeros_like(v, dtype=torch.float32)]).contiguous()  # fmt: skip
         for step in range(size):
             source = (rank - step) % size
-            k_pos = cp_positions(ctx.seq_len, size, source, device=q.device)
+            rows, keys, masked = _ring_part(step, rank, source, local, ctx.causal)
+            k_pos = cp_positions(ctx.seq_len, size, source, device=q.device)[keys]
             part_dq, part_dk, part_dv = _block_backward(
-                qf, _bhsd(block[0], g), _bhsd(block[1], g), q_pos, k_pos, ctx.causal, ctx.scale,
-                dout, lse, delta,
+                qf[:, :, rows], _bhsd(block[0, keys], g), _bhsd(block[1, keys], g),
+                q_pos[rows], k_pos, masked, ctx.scale, dout[:, :, rows], lse[:, :, rows],
+                delta[:, :, rows],
             )  # fmt: skip
-            dq += part_dq
-            block[2] += _sbhd(part_dk, torch.float32, kv)
-            block[3] += _sbhd(part_dv, torch.float32, kv)
+            dq[:, :, rows] += part_dq
+            block[2, keys] += _sbhd(part_dk, torch.float32, kv)
+            block[3, keys] += _sbhd(part_dv, torch.float32, kv)
             incoming, works = _ring_exchange(block, group, ranks)
             _wait(works)
             block = incoming
