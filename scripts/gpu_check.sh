@@ -28,6 +28,9 @@
 #              resumed from 150 must end with bitwise the same checkpoint; the GPU's checkpoint
 #              then loads at TP 2 on two CPU ranks (gloo) and trains on.
 #   drift      scripts/precision_drift.py on the GPU (bf16 / fp16 loss drift vs fp32).
+#   cp         scripts/check_context_parallel_cuda.py: context-parallel attention (p2p,
+#              all_gather, a2a) at CP=2 in bf16 against CP=1; two processes, NCCL on two GPUs,
+#              gloo sharing the GPU on one.
 set -u
 cd "$(dirname "$0")/.."
 DRY=0
@@ -35,7 +38,7 @@ if [ "${1:-}" = "--dry-run" ]; then
   DRY=1
   shift
 fi
-ALL_STEPS="bench_mlp tests checks train drift"
+ALL_STEPS="bench_mlp tests checks train drift cp"
 STEPS="${*:-$ALL_STEPS}"
 for s in $STEPS; do
   case " $ALL_STEPS " in *" $s "*) ;; *) echo "gpu_check: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2 ;; esac
@@ -46,7 +49,8 @@ TESTS_LIMIT_S="${GPU_CHECK_TESTS_LIMIT_S:-300}"  # the suite's share of a 10-min
 TESTS="${GPU_CHECK_TESTS:-tests}"  # test files or folders for the tests step
 
 SCRIPTS="scripts/benchmark_mlp_cuda.py scripts/check_tensor_parallel_cuda.py scripts/check_pipeline_cuda.py
-scripts/check_parallel_state_nccl.py scripts/train_gpt.py scripts/precision_drift.py"
+scripts/check_parallel_state_nccl.py scripts/train_gpt.py scripts/precision_drift.py
+scripts/check_context_parallel_cuda.py"
 if [ "$DRY" = 1 ]; then
   for f in $SCRIPTS; do
     [ -f "$f" ] || { echo "gpu_check --dry-run: $f is missing" >&2; exit 1; }
@@ -172,6 +176,12 @@ step_drift() {
   local log="$OUT/drift.log" start=$SECONDS
   run_logged "$log" 200 "$PY" scripts/precision_drift.py --device cuda --tp 1
   note drift $? $start "$log" "^\||iterations|Error|error"
+}
+
+step_cp() {
+  local log="$OUT/cp.log" start=$SECONDS
+  run_logged "$log" 200 "$PY" scripts/check_context_parallel_cuda.py
+  note cp $? $start "$log" "^cp=|FAIL|Error"
 }
 
 for s in $STEPS; do

@@ -18,7 +18,7 @@ def test_dry_run_finds_every_step_and_refuses_an_unknown_one():
         ["bash", script, "--dry-run"], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert "steps bench_mlp tests checks train drift" in done.stdout
+    assert "steps bench_mlp tests checks train drift cp" in done.stdout
     bad = subprocess.run(
         ["bash", script, "--dry-run", "nosuchstep"], env=env, capture_output=True, text=True
     )

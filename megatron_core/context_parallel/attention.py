@@ -163,8 +163,13 @@ class _AllGatherAttention(torch.autograd.Function):
 
 def _ring_exchange(buffer: torch.Tensor, group, ranks: list[int]):
     """Start sending ``buffer`` to the next rank of the ring and receiving the previous rank's;
-    returns (received buffer, the pending works)."""
+    returns (received buffer, the pending works). A device tensor on a gloo group (ranks that
+    share a GPU) travels through host memory, at once."""
     size, rank = len(ranks), group.rank()
+    if buffer.device.type != "cpu" and _collectives.backend_for(buffer, group) == "gloo":
+        staged, works = _ring_exchange(buffer.cpu(), group, ranks)
+        _wait(works)
+        return staged.to(buffer.device), []
     received = torch.empty_like(buffer)
     # the receive is posted first: gloo's send of a large buffer waits for its receiver
     ops = [
