@@ -28,10 +28,14 @@
    log-sum-exp (b x h x s/cp), and recomputes each block's probabilities from them; the softmax
    gradient of a block needs only the row's log-sum-exp and rowsum(dO * O). So a rank's saved
    bytes are O(s/cp), not O(s^2): per rank Q, K, V and the output are s/cp x b x h x d each.
-4. Not supported (a clear error before any collective): other ``cp_comm_type`` values
+4. Masks: causal (by global positions), and/or a boolean ``attention_mask`` of megatron-core's
+   form [b or 1, 1, s/cp, s] (this rank's query rows, every key in sequence order: a padding
+   mask, an arbitrary one); each block takes its columns by the keys' global positions (a2a
+   first all-gathers the rows). The causal ring skips the half of an off-diagonal block that
+   the causal mask hides (rule 2's chunks make it exactly half).
+5. Not supported (a clear error before any collective): other ``cp_comm_type`` values
    (megatron-core's hierarchical ``a2a+p2p``), packed (THD) sequences and 0.19's hybrid CP,
-   attention dropout, sliding windows and arbitrary masks (causal or none only), and a local
-   length that is odd.
+   attention dropout, sliding windows, and a local length that is odd.
 """
 
 from megatron_core.context_parallel.attention import CP_COMM_TYPES, context_parallel_attention

@@ -21,12 +21,23 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 # --- the block computation (rule 3): fp32, scores recomputed in backward -----------------------
 
 
-def _scores(q, k, q_pos, k_pos, causal: bool, scale: float) -> torch.Tensor:
-    """[b, h, sq, sk] fp32 scores, -inf where a key is after the query (causal)."""
+def _scores(q, k, q_pos, k_pos, causal: bool, scale: float, mask=None) -> torch.Tensor:
+    """[b, h, sq, sk] fp32 scores, -inf where a key is after the query (causal) and where
+    ``mask`` ([b or 1, 1, sq, sk] bool, True = masked out) says."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(k_pos.view(1, 1, 1, -1) > q_pos.view(1, 1, -1, 1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
     return s
+
+
+def _sub_mask(mask, rows, k_pos):
+    """The rows ``rows`` (a slice of this rank's queries) and the columns of the global key
+    positions ``k_pos`` of ``mask`` [b or 1, 1, sq, s]; None stays None."""
+    if mask is None:
+        return None
+    return mask[:, :, rows].index_select(-1, k_pos)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -45,19 +56,19 @@ def _fp32(function):
 
 
 @_fp32
-def _block_forward(q, k, v, q_pos, k_pos, causal, scale):
+def _block_forward(q, k, v, q_pos, k_pos, causal, scale, mask=None):
     """(out [b, h, sq, d], lse [b, h, sq]) of queries ``q`` over one block of keys, fp32."""
-    s = _scores(q, k, q_pos, k_pos, causal, scale)
+    s = _scores(q, k, q_pos, k_pos, causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
     return torch.matmul(p, v), lse
 
 
 @_fp32
-def _block_backward(q, k, v, q_pos, k_pos, causal, scale, dout, lse, delta):
+def _block_backward(q, k, v, q_pos, k_pos, causal, scale, dout, lse, delta, mask=None):
     """(dq, dk, dv) of one block of keys, from the whole row's ``lse`` and
     ``delta`` = rowsum(dout * out) (the softmax gradient needs no other block)."""
-    s = _scores(q, k, q_pos, k_pos, causal, scale)
+    s = _scores(q, k, q_pos, k_pos, causal, scale, mask)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), dout)
     dp = torch.matmul(dout, v.transpose(-1, -2))
@@ -98,25 +109,28 @@ def _sbhd(x: torch.Tensor, dtype, kv_heads: int | None = None) -> torch.Tensor:
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, causal, scale):
+    def forward(ctx, q, k, v, q_pos, k_pos, causal, scale, mask):
         g = q.shape[2] // k.shape[2]
-        out, lse = _block_forward(_bhsd(q), _bhsd(k, g), _bhsd(v, g), q_pos, k_pos, causal, scale)
-        ctx.save_for_backward(q, k, v, q_pos, k_pos, out, lse)
+        mask = _sub_mask(mask, slice(None), k_pos)
+        out, lse = _block_forward(
+            _bhsd(q), _bhsd(k, g), _bhsd(v, g), q_pos, k_pos, causal, scale, mask
+        )
+        ctx.save_for_backward(q, k, v, q_pos, k_pos, out, lse, mask)
         ctx.causal, ctx.scale = causal, scale
         return _sbhd(out, q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, q_pos, k_pos, out, lse = ctx.saved_tensors
+        q, k, v, q_pos, k_pos, out, lse, mask = ctx.saved_tensors
         g = q.shape[2] // k.shape[2]
         dout = _bhsd(grad)
         delta = (dout * out).sum(-1)
         dq, dk, dv = _block_backward(
             _bhsd(q), _bhsd(k, g), _bhsd(v, g), q_pos, k_pos, ctx.causal, ctx.scale, dout, lse,
-            delta,
+            delta, mask,
         )  # fmt: skip
         kv = k.shape[2]
-        return _sbhd(dq, q.dtype), _sbhd(dk, k.dtype, kv), _sbhd(dv, v.dtype, kv), *[None] * 4
+        return _sbhd(dq, q.dtype), _sbhd(dk, k.dtype, kv), _sbhd(dv, v.dtype, kv), *[None] * 5
 
 
 # --- all_gather: K and V gathered, dK/dV reduce-scattered ---------------------------------------
@@ -124,23 +138,24 @@ class _LocalAttention(torch.autograd.Function):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, seq_len, causal, scale):
+    def forward(ctx, q, k, v, group, seq_len, causal, scale, mask):
         size, rank = group.size(), group.rank()
         q_pos = cp_positions(seq_len, size, rank, device=q.device)
         k_pos = torch.cat([cp_positions(seq_len, size, r, device=q.device) for r in range(size)])
+        mask = _sub_mask(mask, slice(None), k_pos)
         full_k = _collectives.all_gather_first_dim(k.contiguous(), group)
         full_v = _collectives.all_gather_first_dim(v.contiguous(), group)
         g = q.shape[2] // k.shape[2]
         out, lse = _block_forward(
-            _bhsd(q), _bhsd(full_k, g), _bhsd(full_v, g), q_pos, k_pos, causal, scale
+            _bhsd(q), _bhsd(full_k, g), _bhsd(full_v, g), q_pos, k_pos, causal, scale, mask
         )
-        ctx.save_for_backward(q, k, v, q_pos, k_pos, out, lse)  # the local K/V: gathered again
+        ctx.save_for_backward(q, k, v, q_pos, k_pos, out, lse, mask)  # local K/V: gathered again
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
         return _sbhd(out, q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, q_pos, k_pos, out, lse = ctx.saved_tensors
+        q, k, v, q_pos, k_pos, out, lse, mask = ctx.saved_tensors
         group = ctx.group
         full_k = _collectives.all_gather_first_dim(k.contiguous(), group)
         full_v = _collectives.all_gather_first_dim(v.contiguous(), group)
@@ -149,13 +164,13 @@ class _AllGatherAttention(torch.autograd.Function):
         delta = (dout * out).sum(-1)
         dq, dk, dv = _block_backward(
             _bhsd(q), _bhsd(full_k, g), _bhsd(full_v, g), q_pos, k_pos, ctx.causal, ctx.scale,
-            dout, lse, delta,
+            dout, lse, delta, mask,
         )  # fmt: skip
         kv = k.shape[2]
         # every rank's queries touched every rank's keys: sum the parts, each to its owner (fp32)
         dk = _collectives.reduce_scatter_first_dim(_sbhd(dk, torch.float32, kv), group)
         dv = _collectives.reduce_scatter_first_dim(_sbhd(dv, torch.float32, kv), group)
-        return _sbhd(dq, q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * 4
+        return _sbhd(dq, q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * 5
 
 
 # --- p2p: the ring --------------------------------------------------------------------------------
@@ -204,7 +219,7 @@ def _ring_part(step: int, rank: int, source: int, local: int, causal: bool):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, seq_len, causal, scale):
+    def forward(ctx, q, k, v, group, seq_len, causal, scale, mask):
         size, rank = group.size(), group.rank()
         ranks = dist.get_process_group_ranks(group)
         q_pos = cp_positions(seq_len, size, rank, device=q.device)
@@ -225,7 +240,7 @@ class _RingAttention(torch.autograd.Function):
             k_pos = cp_positions(seq_len, size, source, device=q.device)[keys]
             part_out, part_lse = _block_forward(
                 qf[:, :, rows], _bhsd(block[0, keys], g), _bhsd(block[1, keys], g),
-                q_pos[rows], k_pos, masked, scale,
+                q_pos[rows], k_pos, masked, scale, _sub_mask(mask, rows, k_pos),
             )  # fmt: skip
             if out is None:
                 out, lse = part_out, part_lse
@@ -236,14 +251,14 @@ class _RingAttention(torch.autograd.Function):
             if not last:
                 _wait(works)
                 block = incoming
-        ctx.save_for_backward(q, k, v, q_pos, out, lse)
+        ctx.save_for_backward(q, k, v, q_pos, out, lse, mask)
         ctx.group, ctx.ranks, ctx.seq_len = group, ranks, seq_len
         ctx.causal, ctx.scale = causal, scale
         return _sbhd(out, q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, q_pos, out, lse = ctx.saved_tensors
+        q, k, v, q_pos, out, lse, mask = ctx.saved_tensors
         group, ranks = ctx.group, ctx.ranks
         size, rank = group.size(), group.rank()
         g = q.shape[2] // k.shape[2]
@@ -261,7 +276,7 @@ class _RingAttention(torch.autograd.Function):
             part_dq, part_dk, part_dv = _block_backward(
                 qf[:, :, rows], _bhsd(block[0, keys], g), _bhsd(block[1, keys], g),
                 q_pos[rows], k_pos, masked, ctx.scale, dout[:, :, rows], lse[:, :, rows],
-                delta[:, :, rows],
+                delta[:, :, rows], _sub_mask(mask, rows, k_pos),
             )  # fmt: skip
             dq[:, :, rows] += part_dq
             block[2, keys] += _sbhd(part_dk, torch.float32, kv)
@@ -269,7 +284,7 @@ class _RingAttention(torch.autograd.Function):
             incoming, works = _ring_exchange(block, group, ranks)
             _wait(works)
             block = incoming
-        return _sbhd(dq, q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), *[None] * 4
+        return _sbhd(dq, q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), *[None] * 5
 
 
 # --- a2a: Ulysses ---------------------------------------------------------------------------------
@@ -321,6 +336,7 @@ def context_parallel_attention(
     cp_comm_type: str = "p2p",
     causal: bool = True,
     softmax_scale: float | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of this rank's queries over the whole sequence's keys, the sequence
     split over the context-parallel group as :func:`~megatron_core.context_parallel.
@@ -334,6 +350,9 @@ def context_parallel_attention(
         cp_comm_type: ``"p2p"`` (ring), ``"all_gather"`` or ``"a2a"`` (Ulysses).
         causal: a key attends only to queries at or after its position (in the whole sequence).
         softmax_scale: the scores' factor, 1/sqrt(d) by default.
+        attention_mask: bool [b or 1, 1, s/cp, s], True where a query must not see a key
+            (megatron-core's mask, its rows cut as ``get_batch_on_this_cp_rank`` cuts them, its
+            columns the whole sequence in order), on top of ``causal``; None: none.
 
     Returns:
         [s/cp, b, h, d] in the query's dtype (scores, softmax and merges in fp32).
@@ -362,9 +381,17 @@ def context_parallel_attention(
             f"{tuple(query.shape)} (same s, b, head_dim; heads divisible by key/value heads)"
         )
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    mask = attention_mask
+    if mask is not None:
+        fits = mask.dim() == 4 and mask.shape[0] in (1, b) and mask.shape[1] == 1
+        if not fits or tuple(mask.shape[2:]) != (sq, sq * size) or mask.dtype != torch.bool:
+            raise MegatronCoreError(
+                f"context_parallel_attention: attention_mask {tuple(mask.shape)} ({mask.dtype}) "
+                f"must be bool [b or 1, 1, {sq}, {sq * size}] (this rank's queries, every key)"
+            )
     if size == 1:
         positions = torch.arange(sq, device=query.device)
-        return _LocalAttention.apply(query, key, value, positions, positions, causal, scale)
+        return _LocalAttention.apply(query, key, value, positions, positions, causal, scale, mask)
     if sq % 2:
         raise MegatronCoreError(
             f"context_parallel_attention: the local sequence length ({sq}) must be even (the "
@@ -372,9 +399,9 @@ def context_parallel_attention(
         )
     seq_len = sq * size
     if cp_comm_type == "all_gather":
-        return _AllGatherAttention.apply(query, key, value, group, seq_len, causal, scale)
+        return _AllGatherAttention.apply(query, key, value, group, seq_len, causal, scale, mask)
     if cp_comm_type == "p2p":
-        return _RingAttention.apply(query, key, value, group, seq_len, causal, scale)
+        return _RingAttention.apply(query, key, value, group, seq_len, causal, scale, mask)
     if h % size or key.shape[2] % size:
         raise MegatronCoreError(
             f"context_parallel_attention: a2a needs the heads ({h}) and key/value heads "
@@ -384,5 +411,10 @@ def context_parallel_attention(
         [cp_positions(seq_len, size, r, device=query.device) for r in range(size)]
     )
     q, k, v = (_to_heads(x, group) for x in (query, key, value))
-    out = _LocalAttention.apply(q, k, v, positions, positions, causal, scale)
+    if mask is not None:  # every rank's rows: the queries are now the whole sequence
+        rows = _collectives.all_gather_first_dim(
+            mask.movedim(2, 0).to(torch.uint8).contiguous(), group
+        )
+        mask = rows.movedim(0, 2).bool()
+    out = _LocalAttention.apply(q, k, v, positions, positions, causal, scale, mask)
     return _to_sequence(out, group)

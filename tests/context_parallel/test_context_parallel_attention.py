@@ -32,8 +32,9 @@ from megatron_core.testing import run_distributed
 B, H, D = 2, 8, 8
 
 
-def _reference(q, k, v, causal):
-    """fp64 attention on [s, b, h, d] with K/V heads repeated for GQA."""
+def _reference(q, k, v, causal, mask=None):
+    """fp64 attention on [s, b, h, d] with K/V heads repeated for GQA; ``mask`` [b, 1, s, s]
+    True = masked out."""
     q, k, v = (x.double().permute(1, 2, 0, 3) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -41,6 +42,8 @@ def _reference(q, k, v, causal):
     if causal:
         n = s.shape[-1]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
     return (s.softmax(-1) @ v).permute(2, 0, 1, 3)
 
 
@@ -48,17 +51,29 @@ def _error(ours, ref):
     return ((ours.double() - ref).norm() / ref.norm()).item()
 
 
-def _case(seq, kv_heads, comm, causal, dtype, group):
+def _padding_mask(seq):
+    """Key padding: batch row i sees only its first seq - 3 * i - 1 keys (never none)."""
+    keep = torch.arange(seq).view(1, 1, 1, seq) < torch.tensor(
+        [seq - 3 * i - 1 for i in range(B)]
+    ).view(B, 1, 1, 1)
+    return (~keep).expand(B, 1, seq, seq).contiguous()
+
+
+def _case(seq, kv_heads, comm, causal, dtype, group, masked=False):
     gen = torch.Generator().manual_seed(seq * 100 + kv_heads)
     q = torch.randn(seq, B, H, D, generator=gen)
     k = torch.randn(seq, B, kv_heads, D, generator=gen)
     v = torch.randn(seq, B, kv_heads, D, generator=gen)
     dout = torch.randn(seq, B, H, D, generator=gen)
     full = [x.clone().double().requires_grad_() for x in (q, k, v)]
-    ref = _reference(*full, causal)
+    mask = _padding_mask(seq) if masked else None
+    ref = _reference(*full, causal, mask)
     ref.backward(dout.double())
     parts = [split_for_context_parallel(x, 0, group).to(dtype).requires_grad_() for x in (q, k, v)]
-    out = context_parallel_attention(*parts, cp_group=group, cp_comm_type=comm, causal=causal)
+    rows = None if mask is None else split_for_context_parallel(mask, 2, group)
+    out = context_parallel_attention(
+        *parts, cp_group=group, cp_comm_type=comm, causal=causal, attention_mask=rows
+    )
     out.backward(split_for_context_parallel(dout, 0, group).to(dtype))
     gathered = [gather_from_context_parallel(t.detach(), 0, group)
                 for t in (out, *(p.grad for p in parts))]  # fmt: skip
@@ -78,6 +93,11 @@ def _all_cases():
                     results[(seq, kv_heads, comm, causal)] = _case(
                         seq, kv_heads, comm, causal, torch.float32, group
                     )
+    for comm in ("p2p", "all_gather", "a2a"):  # a padding mask, with and without causal
+        for causal in (True, False):
+            results[("mask", comm, causal)] = _case(
+                6 * cp, H // 2, comm, causal, torch.float32, group, masked=True
+            )
     for comm in ("p2p", "all_gather", "a2a"):  # bf16, and the one-rank path as its yardstick
         results[("bf16", comm)] = _case(6 * cp, H // 2, comm, True, torch.bfloat16, group)
     singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # all ranks, alike
