@@ -15,7 +15,15 @@ from megatron_core.testing import run_distributed
 SEQ, BATCH, VOCAB, STEPS = 16, 2, 64, 3
 
 
-def _train(comm: str, tp: int = 1):
+RECOMPUTE = {
+    None: {},
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                 distribute_saved_activations=True),
+    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+}  # fmt: skip
+
+
+def _train(comm: str, tp: int = 1, recompute: str | None = None):
     from megatron_core import megatron as switch
 
     switch.install()
@@ -40,6 +48,7 @@ def _train(comm: str, tp: int = 1):
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
         tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        **RECOMPUTE[recompute],
     )  # fmt: skip
     torch.manual_seed(0)
     model = GPTModel(
@@ -117,6 +126,28 @@ def test_gpt_model_at_tp2_cp2_trains_as_at_tp2():
     reference = run_distributed(_train, 2, "p2p", 2, timeout=300)
     for rank, (losses, params) in enumerate(run_distributed(_train, 4, "p2p", 2, timeout=300)):
         ref_losses, ref_params = reference[rank % 2]
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0
+        )
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.requires_megatron_core
+def test_gpt_model_at_cp2_with_recompute_trains_as_at_cp1():
+    """Full recompute (uniform, distributed saved activations: TP=2 x CP=2) and selective
+    core_attn recompute (CP=2): the CP attention's collectives run again in the recompute."""
+    reference = run_distributed(_train, 2, "p2p", 2, timeout=300)
+    for rank, (losses, params) in enumerate(run_distributed(_train, 4, "p2p", 2, "full",
+                                                            timeout=300)):  # fmt: skip
+        ref_losses, ref_params = reference[rank % 2]
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0
+        )
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-6, msg=name)
+    ((ref_losses, ref_params),) = run_distributed(_train, 1, "a2a", timeout=300)
+    for losses, params in run_distributed(_train, 2, "a2a", 1, "selective", timeout=300):
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0
         )
