@@ -296,9 +296,10 @@ def _check_tp(args: argparse.Namespace, world_size: int, fits: list[int]) -> Non
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, _cp(args)
     hint = f"; use --tensor-model-parallel-size {' or '.join(map(str, fits))}" if fits else ""
     if world_size % (tp * pp * cp):
+        by_cp = f" * --context-parallel-size ({cp})" if cp > 1 else ""
         raise MegatronCoreError(
             f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) "
-            f"* --pipeline-model-parallel-size ({pp}) * --context-parallel-size ({cp}){hint}"
+            f"* --pipeline-model-parallel-size ({pp}){by_cp}{hint}"
         )
     if args.num_attention_heads % tp:
         raise MegatronCoreError(
@@ -306,9 +307,10 @@ def _check_tp(args: argparse.Namespace, world_size: int, fits: list[int]) -> Non
             f"--tensor-model-parallel-size ({tp}){hint}"
         )
     if args.sequence_parallel and (args.seq_length // cp) % tp:
+        per_cp = f" / --context-parallel-size ({cp})" if cp > 1 else ""
         raise MegatronCoreError(
-            f"--seq-length ({args.seq_length}) / --context-parallel-size ({cp}) must be divisible "
-            f"by --tensor-model-parallel-size ({tp}) with --sequence-parallel{hint}"
+            f"--seq-length ({args.seq_length}){per_cp} must be divisible by "
+            f"--tensor-model-parallel-size ({tp}) with --sequence-parallel{hint}"
         )
 
 
