@@ -17,19 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _ranks import run_ranks
 
 
 def _rank(rank: int, cp: int, args, port: int, queue) -> None:
@@ -74,27 +67,6 @@ def _rank(rank: int, cp: int, args, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def _launch(cp: int, args) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_rank, args=(r, cp, args, port, queue)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    while True:  # a rank that died is reported instead of waited for
-        try:
-            result = queue.get(timeout=5)
-            break
-        except Exception:  # noqa: BLE001 - queue.Empty
-            if any(p.exitcode not in (None, 0) for p in procs):
-                raise SystemExit(f"cp={cp}: a rank failed (its traceback is above)") from None
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"cp={cp}: a rank exited with {p.exitcode}")
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 4096, 8192])
@@ -112,7 +84,7 @@ def main() -> None:
     print("| seq | cp | variant | step s | saved MiB per rank |")
     print("|---:|---:|---|---:|---:|")
     for cp in args.cp:
-        for (seq, variant), (seconds, saved) in sorted(_launch(cp, args).items()):
+        for (seq, variant), (seconds, saved) in sorted(run_ranks(_rank, cp, cp, args).items()):
             print(f"| {seq} | {cp} | {variant} | {seconds:.3f} | {saved / 2**20:.2f} |")
 
 

@@ -25,20 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _ranks import run_ranks
 
 
 def _build(args):
@@ -158,21 +151,6 @@ def _rank(rank: int, impl: str, args, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def _launch(impl: str, args) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_rank, args=(r, impl, args, port, queue)) for r in range(args.tp)]
-    for p in procs:
-        p.start()
-    result = queue.get()
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"{impl}: a rank exited with {p.exitcode}")
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=2)
@@ -192,8 +170,8 @@ def main() -> None:
     rounds = {"default": [], "off": [], "own": []}
     paired = []
     for _ in range(args.launches):
-        ours = _launch("ours", args)
-        own = _launch("own", args)
+        ours = run_ranks(_rank, args.tp, "ours", args)
+        own = run_ranks(_rank, args.tp, "own", args)
         paired += [d[0] / o[0] for d, o in zip(ours["default"], ours["off"])]
         for mode, values in [*ours.items(), *own.items()]:
             rounds[mode] += values

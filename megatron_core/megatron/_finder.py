@@ -22,7 +22,7 @@ import os
 import sys
 from types import ModuleType
 
-__all__ = ["MegatronSwitchFinder"]
+__all__ = ["MegatronSwitchFinder", "PostImportFinder"]
 
 
 class _ServedLoader(importlib.abc.Loader):
@@ -113,3 +113,44 @@ def _spec_below(fullname: str, root: str, rest: list[str]):
     if os.path.isfile(base + ".py"):
         return importlib.util.spec_from_file_location(fullname, base + ".py")
     return None
+
+
+class _PostImportLoader(importlib.abc.Loader):
+    """Runs another loader, then calls ``after(module)`` on the module it made."""
+
+    def __init__(self, loader, after):
+        self.loader, self.after = loader, after
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        self.after(module)
+
+    def __getattr__(self, name):  # get_source, get_filename, ... of the wrapped loader
+        return getattr(self.loader, name)
+
+
+class PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds the modules ``wanted(name)`` accepts through the rest of ``sys.meta_path`` and
+    calls ``after(module)`` once each has run, before anything else imports from it (the CPU
+    mode's completions and adaptations, NOTE [ CUDA on the CPU ] rules 8-9; the fixes of NOTE
+    [ Without Transformer Engine ])."""
+
+    def __init__(self, wanted, after):
+        self.wanted, self.after = wanted, after
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not self.wanted(fullname):
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PostImportLoader(spec.loader, self.after)
+                return spec
+        return None

@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.abc
 import inspect
 import os
 import sys
@@ -87,6 +86,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_core import compat, device, flags
 from megatron_core.errors import MegatronCoreError
+from megatron_core.megatron._finder import PostImportFinder
 from megatron_core.parallel_state import agreement
 from megatron_core.tensor_parallel import random as tp_random
 
@@ -549,42 +549,6 @@ class CpuDeviceProperties:
         )
 
 
-class _CompletingLoader(importlib.abc.Loader):
-    """Runs another loader, then completes the module it made (NOTE rule 8)."""
-
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        _complete(module)
-
-    def __getattr__(self, name):  # get_source, get_filename, ... of the wrapped loader
-        return getattr(self.loader, name)
-
-
-class _CompletingFinder(importlib.abc.MetaPathFinder):
-    """Finds :data:`COMPLETED`'s and :data:`ADAPTED`'s modules through the rest of
-    ``sys.meta_path`` and wraps their loader in a :class:`_CompletingLoader`."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in COMPLETED and fullname not in ADAPTED:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _CompletingLoader(spec.loader)
-                return spec
-        return None
-
-
 def is_active() -> bool:
     """Whether the CPU mode is on in this process."""
     return _STATE["mode"] is not None
@@ -620,7 +584,7 @@ def enable() -> None:
     for (module, name), stand_in in _stand_ins().items():
         originals[(module, name)] = getattr(module, name)
         setattr(module, name, stand_in)
-    finder = _CompletingFinder()
+    finder = PostImportFinder(lambda name: name in COMPLETED or name in ADAPTED, _complete)
     sys.meta_path.insert(0, finder)
     _STATE["finder"] = finder
     for name in (*COMPLETED, *ADAPTED):

@@ -23,10 +23,10 @@ a table of adapters applied to megatron-core modules as the switch imports them.
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import sys
 
 from megatron_core.errors import MegatronCoreError
+from megatron_core.megatron._finder import PostImportFinder
 
 __all__ = ["ADAPTERS", "arm", "disarm"]
 
@@ -131,42 +131,11 @@ def _adapt(module) -> None:
             setattr(module, name, adapter(original))
 
 
-class _AdaptingLoader(importlib.abc.Loader):
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        _adapt(module)
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-
-class _AdaptingFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in ADAPTERS:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _AdaptingLoader(spec.loader)
-                return spec
-        return None
-
-
 def arm() -> None:
     """Apply :data:`ADAPTERS` to megatron-core modules imported from now on and to those
     already imported (idempotent)."""
     if _FINDER[0] is None:
-        _FINDER[0] = _AdaptingFinder()
+        _FINDER[0] = PostImportFinder(ADAPTERS.__contains__, _adapt)
         sys.meta_path.insert(0, _FINDER[0])
     for name in ADAPTERS:
         if name in sys.modules:

@@ -134,7 +134,7 @@ def test_undefined_module_names_are_completed_on_import_and_removed_on_disable(t
         cpu_mode.disable()
         print(json.dumps({{"on_import": on_import, "kept": kept, "own_kept": own_kept,
                           "bare_after": bare_after, "late": late,
-                          "finder_gone": not any(type(f).__name__ == "_CompletingFinder"
+                          "finder_gone": not any(type(f).__name__ == "PostImportFinder"
                                                  for f in sys.meta_path)}}))
         """
     )
