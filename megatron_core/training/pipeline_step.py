@@ -149,9 +149,14 @@ def _forward_step(corpus, args, step, record, data_iterator, model):
         output = model(tokens, labels if model.post_process else None)
     record.append(report.total_bytes)
 
+    cp = parallel_state.get_context_parallel_world_size()
+
     def loss_func(per_token: torch.Tensor):
         loss = per_token.mean()
-        return loss, {"lm loss": loss.detach()}
+        # the schedule multiplies the loss by the CP size (megatron-core's convention, for a
+        # loss that is this rank's share of the global mean) and finalize_model_grads averages
+        # over data x context ranks: this rank's mean / cp is that share (equal token counts)
+        return loss / cp, {"lm loss": loss.detach()}
 
     return output, loss_func
 

@@ -28,6 +28,7 @@ class Run:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1  # context parallel: megatron-core's DotProductAttention through the switch
     sp: bool = False
     steps: int = 3
     dropout: float = 0.0
@@ -102,6 +103,7 @@ def config_of(run: Run):
         ffn_hidden_size=4 * HIDDEN,
         tensor_model_parallel_size=run.tp,
         pipeline_model_parallel_size=run.pp,
+        context_parallel_size=run.cp,
         sequence_parallel=run.sp,
         hidden_dropout=run.dropout,
         attention_dropout=run.dropout,
@@ -155,6 +157,7 @@ def initialize(run: Run) -> None:
         tensor_model_parallel_size=run.tp,
         pipeline_model_parallel_size=run.pp,
         expert_model_parallel_size=run.ep,
+        context_parallel_size=run.cp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(run.seed)
 
@@ -215,11 +218,27 @@ def _forward_step(data_iterator, model):
         data["input_ids"], data["position_ids"], data["attention_mask"], labels=data["labels"]
     )
 
+    from megatron.core import parallel_state
+
+    cp = parallel_state.get_context_parallel_world_size()
+
     def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
+        # megatron-core's convention under CP: its schedule multiplies the loss by the CP size
+        # and its gradient reduction averages over data x context ranks, so a rank returns its
+        # tokens' share of the global mean (here: its sum over every rank's equal token count)
+        loss = output_tensor.float().sum() / (output_tensor.numel() * cp)
         return loss, {"loss": loss.detach()}
 
     return output, loss_func
+
+
+def _cut(data: dict, run: Run) -> dict:
+    """This context-parallel rank's part of a batch (the load-balanced split)."""
+    if run.cp == 1:
+        return data
+    from megatron_core.context_parallel import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank(data)
 
 
 def train(run: Run, full: dict[str, torch.Tensor] | None) -> dict:
@@ -254,7 +273,7 @@ def train(run: Run, full: dict[str, torch.Tensor] | None) -> dict:
     )
     for step in range(run.steps):
         optimizer.zero_grad()
-        data = iter([batch(step, m) for m in range(run.microbatches)])
+        data = iter([_cut(batch(step, m), run) for m in range(run.microbatches)])
         with counted as checkpoint:
             reports = get_forward_backward_func()(
                 forward_step_func=_forward_step,
@@ -266,7 +285,10 @@ def train(run: Run, full: dict[str, torch.Tensor] | None) -> dict:
                 forward_only=False,
             )
         if reports:
-            losses.append(torch.stack([r["loss"] for r in reports]).mean().cpu())
+            loss = torch.stack([r["loss"] for r in reports]).mean()
+            if run.cp > 1:  # each CP rank's share of the global mean: their sum is the mean
+                dist.all_reduce(loss, group=parallel_state.get_context_parallel_group())
+            losses.append(loss.cpu())
         grads.append({names[n]: full_tensor(p, p.grad) for n, p in model.named_parameters()})
         optimizer.step()
     params = {names[n]: full_tensor(p, p) for n, p in model.named_parameters()}

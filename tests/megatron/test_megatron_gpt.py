@@ -79,6 +79,13 @@ def test_pipeline_parallel_2_one_f_one_b_matches_1(distributed, dense_start, den
     _assert_runs_equal(dense_reference, distributed(train, 2, run, dense_start, timeout=TIMEOUT))
 
 
+def test_pipeline_2_x_context_parallel_2_matches_1(distributed, dense_start, dense_reference):
+    """CP through the switch's DotProductAttention (NOTE [ Without Transformer Engine ]) with
+    1F1B: the schedules exchange [s/cp, b, h] activations between the stages."""
+    run = dataclasses.replace(DENSE, pp=2, cp=2)
+    _assert_runs_equal(dense_reference, distributed(train, 4, run, dense_start, timeout=TIMEOUT))
+
+
 def test_recompute_is_bitwise_equal_with_dropout(distributed, dense_start):
     """Full recompute (distribute_saved_activations at tp = 2) and selective recompute replay the
     dropout masks through this package's RNG tracker: bitwise the run without recompute."""
