@@ -12,10 +12,11 @@ a table of adapters applied to megatron-core modules as the switch imports them.
    :func:`~megatron_core.context_parallel.context_parallel_attention` over the CP group
    (``pg_collection.cp``, else parallel_state's), with the layer's ``cp_comm_type`` (else the
    config's, else ``"p2p"``), its softmax scale, causal exactly when the layer's mask type is
-   causal, and the attention mask it is given (megatron-core's [b, 1, s/cp, s], rows cut by
-   ``get_batch_on_this_cp_rank``). At CP=1 the forward is megatron-core's own, unchanged.
-   Refused with a clear error (at construction or in forward): attention dropout > 0, packed
-   sequences and attention bias with CP > 1.
+   a causal one (causal, padding_causal, causal_bottom_right), and the attention mask it is
+   given (megatron-core's [b, 1, s/cp, s], rows cut by ``get_batch_on_this_cp_rank``). At
+   CP=1 the forward is megatron-core's own, unchanged. Refused with a clear error (at
+   construction or in forward): attention dropout > 0, a sliding window (``window_size``),
+   packed sequences and attention bias with CP > 1.
 3. ``rope_utils.get_pos_emb_on_this_cp_rank`` builds its index with ``pin_memory=True`` and
    ``.cuda()``; it becomes this package's (the same rows, on the table's device).
 """
@@ -53,6 +54,13 @@ def _context_parallel_attention(cls):
                 f"DotProductAttention: attention_dropout ({dropout}) with context_parallel_size "
                 f"({cp}) is not supported by this package's context parallelism; set it to 0"
             )
+        window = getattr(config, "window_size", None)
+        if window is not None:
+            raise MegatronCoreError(
+                f"DotProductAttention: window_size ({window}) (sliding-window attention) with "
+                f"context_parallel_size ({cp}) is not supported by this package's context "
+                "parallelism"
+            )
         config.context_parallel_size = 1  # megatron-core's assert; restored at once
         try:
             original_init(self, config, layer_number, *args, **kwargs)
@@ -84,11 +92,12 @@ def _context_parallel_attention(cls):
                 "bias are not supported by this package's context parallelism"
             )
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        # causal, padding_causal and their bottom-right forms (the same for self-attention)
+        causal = "causal" in AttnMaskType(mask_type).name
         out = context_parallel_attention(
             query, key, value, cp_group=self._megatron_core_cp_group,
-            cp_comm_type=self._megatron_core_cp_comm_type,
-            causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
-            attention_mask=attention_mask,
+            cp_comm_type=self._megatron_core_cp_comm_type, causal=causal,
+            softmax_scale=self.softmax_scale, attention_mask=attention_mask,
         )  # fmt: skip
         return out.reshape(out.shape[0], out.shape[1], -1)
 
