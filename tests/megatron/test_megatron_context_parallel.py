@@ -91,7 +91,7 @@ def test_gpt_model_at_cp2_trains_as_at_cp1(comm):
             torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _dropout_refused():
+def _refused(options: dict):
     from megatron_core import megatron as switch
 
     switch.install()
@@ -104,7 +104,7 @@ def _dropout_refused():
     tensor_parallel.model_parallel_cuda_manual_seed(1)
     config = TransformerConfig(
         num_layers=1, hidden_size=32, num_attention_heads=4, context_parallel_size=2,
-        use_cpu_initialization=True, attention_dropout=0.1,
+        use_cpu_initialization=True, **options,
     )  # fmt: skip
     try:
         GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ)
@@ -114,9 +114,16 @@ def _dropout_refused():
 
 
 @pytest.mark.requires_megatron_core
-def test_attention_dropout_with_cp_is_refused_by_name():
-    for message in run_distributed(_dropout_refused, 2, timeout=120):
-        assert "attention_dropout (0.1) with context_parallel_size (2)" in message
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"attention_dropout": 0.1}, "attention_dropout (0.1) with context_parallel_size (2)"),
+        ({"attention_dropout": 0.0, "window_size": (4, 0)}, "window_size ((4, 0))"),
+    ],
+)
+def test_what_cp_does_not_support_is_refused_by_name(options, message):
+    for text in run_distributed(_refused, 2, options, timeout=120):
+        assert message in text, text
 
 
 @pytest.mark.requires_megatron_core
