@@ -46,4 +46,5 @@ for step in range(20):
     if torch.distributed.get_rank() == 0 and step % 5 == 4:
         print(f"step {step + 1}: loss {loss.item():.3f}", flush=True)
 parallel_state.destroy_model_parallel()
+torch.distributed.barrier()  # every rank done with its last collective before any tears down
 torch.distributed.destroy_process_group()
