@@ -33,6 +33,7 @@ from megatron_core import flags
 from megatron_core.errors import MegatronCoreError
 from megatron_core.megatron import _children, cpu_mode, without_te
 from megatron_core.megatron._finder import MegatronSwitchFinder
+from megatron_core.tensor_parallel.linear_base import set_expert_grad_rule
 
 __all__ = [
     "SERVED",
@@ -192,8 +193,6 @@ def install(cuda_on_cpu: bool | None = None) -> None:
         _FINDER = MegatronSwitchFinder(SERVED)
         sys.meta_path.insert(0, _FINDER)
         # the allreduce marks of expert parameters follow the served release
-        from megatron_core.tensor_parallel.linear_base import set_expert_grad_rule
-
         set_expert_grad_rule("0.16" if release.startswith("0.16.") else "0.19")
         without_te.arm()  # NOTE [ Without Transformer Engine ]
     if want is not None:
@@ -212,8 +211,6 @@ def uninstall() -> None:
     _FINDER = None
     _children.disarm()
     without_te.disarm()
-    from megatron_core.tensor_parallel.linear_base import set_expert_grad_rule
-
     set_expert_grad_rule("0.19")
 
 

@@ -425,6 +425,11 @@ def _device_count() -> int:
     return int(value)
 
 
+def _get_rng_state(device="cuda") -> torch.Tensor:
+    """NOTE rule 5: CUDA's generator state is the device stream's."""
+    return tp_random.get_device_rng_state()
+
+
 def _set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
     tp_random.set_device_rng_state(new_state)
 
@@ -500,11 +505,11 @@ def _stand_ins() -> dict[tuple[object, str], object]:
         (cuda, "get_device_properties"): lambda device=None: CpuDeviceProperties(),
         (cuda, "manual_seed"): _seed,
         (cuda, "manual_seed_all"): _seed,
-        (cuda, "get_rng_state"): lambda device="cuda": tp_random.get_device_rng_state(),
+        (cuda, "get_rng_state"): _get_rng_state,
         (cuda, "set_rng_state"): _set_rng_state,
         (cuda.random, "manual_seed"): _seed,
         (cuda.random, "manual_seed_all"): _seed,
-        (cuda.random, "get_rng_state"): lambda device="cuda": tp_random.get_device_rng_state(),
+        (cuda.random, "get_rng_state"): _get_rng_state,
         (cuda.random, "set_rng_state"): _set_rng_state,
         (dist, "init_process_group"): _gloo_for_nccl(dist.init_process_group),
         (dist, "new_group"): _gloo_for_nccl(dist.new_group),

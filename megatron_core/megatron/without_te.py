@@ -17,8 +17,8 @@ a table of adapters applied to megatron-core modules as the switch imports them.
    CP=1 the forward is megatron-core's own, unchanged. Refused with a clear error (at
    construction or in forward): attention dropout > 0, a sliding window (``window_size``),
    packed sequences and attention bias with CP > 1.
-3. ``rope_utils.get_pos_emb_on_this_cp_rank`` builds its index with ``pin_memory=True`` and
-   ``.cuda()``; it becomes this package's (the same rows, on the table's device).
+3. ``rope_utils.get_pos_emb_on_this_cp_rank`` builds its index in pinned host memory and
+   copies it to the GPU; it becomes this package's (the same rows, on the table's device).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 15: ranks that disagree raise the same clear error on every rank, within seconds.
+"""Ranks that disagree raise the same clear error on every rank, within seconds.
 
 Each case below is one way users make the ranks of a tensor-parallel group disagree (an
 off-by-one batch on one rank, a vocabulary split computed locally, ...). Before the consistency
@@ -472,9 +472,10 @@ def test_case_in_check_mode(name, tp):
     _assert_agreed_error(name, tp, check=True)
 
 
-# Issue 22: the default mode (no switch turned on) must end these as check mode does. Gloo
+# The default mode (no switch turned on, NOTE [ Check window ]) must end these as check mode
+# does. Gloo
 # aborted the process in the first 7, the next 9 returned wrong results, the last 3 hung.
-ISSUE_22_CASES = {
+DEFAULT_MODE_CASES = {
     "abort": (
         "gather_first_dim_4_vs_2",
         "gather_last_dim_3_vs_5",
@@ -507,7 +508,7 @@ def test_case_in_the_default_mode(name, tp):
 
 
 def test_issue_22_cases_are_all_run():
-    listed = [n for names in ISSUE_22_CASES.values() for n in names]
+    listed = [n for names in DEFAULT_MODE_CASES.values() for n in names]
     assert len(listed) == 19 and set(listed) <= set(CASES)
 
 

@@ -429,7 +429,7 @@ def test_autocast(topic, world_size):
 
 
 def test_linear_function_bias_none_regression():
-    """Issue 11's reproducer, serial: autocast forward, backward outside autocast."""
+    """A bias of None under autocast (once a crash): autocast forward, backward outside it."""
     x = torch.randn(4, 8, requires_grad=True)
     weight = torch.randn(6, 8, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -88,7 +88,7 @@ def test_cpu_generator_is_seeded_too(dev):
 
 
 def test_tp_rank_is_required_without_parallel_state(dev):
-    # Issue 15: taking tp_rank 0 here gave every TP rank the same stream (megatron-core raises).
+    # Taking tp_rank 0 here would give every TP rank the same stream (megatron-core raises).
     assert not ps.model_parallel_is_initialized()
     with pytest.raises(MegatronCoreError, match="called before initialize_model_parallel"):
         tp_random.model_parallel_cuda_manual_seed(SEED)

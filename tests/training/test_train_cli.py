@@ -167,8 +167,9 @@ def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
 
 
 def test_show_parallel_groups_exits_zero(tmp_path):
-    """Issue 13 point 6 (it aborted at exit in 1 of 13 runs). One run here (17 s on a loaded
-    2-core machine); 50 runs of this same command in a row all exited 0 when it was fixed."""
+    """The group-listing command exits 0 (it once aborted at exit in 1 of 13 runs). One run
+    here (17 s on a loaded 2-core machine); 50 runs of this same command in a row all exited 0
+    when it was fixed."""
     command = [
         sys.executable,
         "-m",
