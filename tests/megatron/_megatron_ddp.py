@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from _megatron_gpt import (
     BATCH,
@@ -28,6 +29,19 @@ from _megatron_gpt import (
     install,
     load_full,
 )
+
+from megatron_core.testing import shares_gpus
+
+
+def skip_where_gloo_carries_the_buckets(world_size: int) -> None:
+    """Skip in the harness's CUDA mode where ``world_size`` ranks share the GPUs: gloo then
+    carries megatron-core DDP's CUDA grad buckets and refuses the coalesced all-reduce its
+    ``start_grad_sync`` issues (NCCL, one GPU per rank, runs it)."""
+    if shares_gpus(world_size):
+        pytest.skip(
+            f"{world_size} ranks share the GPUs: gloo carries megatron-core DDP's CUDA buckets and "
+            "refuses its coalesced all-reduce (allreduce_coalesced: unsupported device type cuda)"
+        )
 
 GLOBAL_MICROBATCHES = 4  # per step, split over the data-parallel ranks
 

@@ -143,6 +143,7 @@ def test_undefined_module_names_are_completed_on_import_and_removed_on_disable(t
     assert not report["bare_after"] and report["late"] and report["finder_gone"]
 
 
+@needs_no_cuda
 def test_megatron_lm_walls_each_answered_and_put_back(tmp_path):
     # NOTE rule 9, one wall at a time, on stand-ins for Megatron-LM's files (its training
     # package is on no index): each stand-in fails as the real file does without the mode.

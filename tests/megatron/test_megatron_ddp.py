@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from megatron_core.megatron import megatron_core_version
-from megatron_core.testing import run_distributed, shares_gpus
+from megatron_core.testing import run_distributed
 
 if megatron_core_version() is None:
     pytest.skip("megatron-core is not installed (the [megatron] extra)", allow_module_level=True)
 
-from _megatron_ddp import DDPRun, train_ddp  # noqa: E402
+from _megatron_ddp import DDPRun, skip_where_gloo_carries_the_buckets, train_ddp  # noqa: E402
 from _megatron_gpt import Run, initial_state  # noqa: E402
 
 TIMEOUT = 240
@@ -40,14 +40,6 @@ def references(start):
         bf16: run_distributed(train_ddp, 1, DDPRun(Run(), bf16=bf16), start, timeout=TIMEOUT)[0]
         for bf16 in (False, True)
     }
-
-
-def _skip_where_gloo_carries_the_buckets(world_size: int) -> None:
-    if shares_gpus(world_size):
-        pytest.skip(
-            f"{world_size} ranks share the GPUs: gloo carries megatron-core DDP's CUDA buckets and "
-            "refuses its coalesced all-reduce (allreduce_coalesced: unsupported device type cuda)"
-        )
 
 
 def _check(actual: dict, expected: dict, exact: bool) -> None:
@@ -117,7 +109,7 @@ def _check_bf16(actual: dict, expected: dict, start: dict) -> None:
 def test_training_step_tp2_dp2_matches_tp1_dp1(
     start, references, bf16, overlap_grad_reduce, distributed_optimizer
 ):
-    _skip_where_gloo_carries_the_buckets(4)
+    skip_where_gloo_carries_the_buckets(4)
     reference = references[bf16]
     moved = max((reference["params"][n] - p).abs().max().item() for n, p in start.items())
     assert moved > 2 * LR  # three Adam steps of about lr each did move the weights
@@ -133,7 +125,7 @@ def test_training_step_tp2_dp2_matches_tp1_dp1(
 def test_finalize_model_grads_with_ddp_chunks_is_megatron_cores(start):
     """Ours and megatron-core's own finalize_model_grads on the same DDP-wrapped chunks (both on
     this core's parallel_state): bitwise the same gradients and parameters."""
-    _skip_where_gloo_carries_the_buckets(4)
+    skip_where_gloo_carries_the_buckets(4)
     ddp_run = DDPRun(SHARDED, overlap_grad_reduce=True)
     ours = run_distributed(train_ddp, 4, ddp_run, start, timeout=TIMEOUT)
     megatron_run = dataclasses.replace(ddp_run, megatron_finalize=True)
