@@ -162,6 +162,33 @@ def test_python_m_runner_installs_the_switch_before_the_script(tmp_path):
     assert result.stdout.split("\n")[0] == "False True"
 
 
+@pytest.mark.requires_megatron_core
+def test_jit_fuser_compiles_at_first_call_not_at_import():
+    # NOTE [ Without Transformer Engine ], rule 4: importing megatron-core applies torch.compile
+    # to no function; the first call of a jit_fuser function compiles it, once, with its options.
+    script = textwrap.dedent(
+        """
+        import torch
+        calls = []
+        torch.compile = lambda fn=None, **options: calls.append((fn.__name__, options)) or fn
+        from megatron_core import megatron as switch
+        switch.install()
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.fusions import fused_bias_gelu
+        at_import = list(calls)
+        x, bias = torch.randn(4), torch.randn(4)
+        out = [fused_bias_gelu.bias_gelu(bias, x) for _ in range(2)]
+        expected = torch.nn.functional.gelu(x + bias, approximate="tanh")
+        print(at_import, calls, all(torch.allclose(o, expected, atol=1e-6) for o in out))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == "[] [('bias_gelu', {})] True", result.stdout
+
+
 def test_check_megatron_lm_script_parses_and_names_a_missing_checkout(tmp_path):
     # scripts/check_megatron_lm.sh runs Megatron-LM's pretrain_gpt.py from a user's checkout
     # (none in CI): here it must parse, and refuse a folder without the script, naming it.
