@@ -29,6 +29,7 @@ __all__ = [
     "reduce_scatter_single",
     "graph_safe_generators",
     "CPU_STREAM_BASE",
+    "profiler_allocations",
 ]
 
 FLOOR = (2, 6)  # setup.py's torch>=2.6
@@ -161,3 +162,30 @@ def backend_config_text() -> str:
     (``get_backend_config``), else ``get_backend()``."""
     config = getattr(dist, "get_backend_config", None)
     return str(config() if config is not None else dist.get_backend())
+
+
+def profiler_allocations(prof, mark_prefix: str):
+    """What a finished ``torch.profiler.profile(profile_memory=True)`` saw: the allocator's
+    events as ``(time_ns, signed bytes, device type name)`` and the ``record_function`` ranges
+    whose names start with ``mark_prefix`` as ``(time_ns, name)``, each list in time order.
+
+    Read from the kineto results the profiler keeps (``prof.profiler.kineto_results``): torch's
+    public views (``events()``, ``key_averages()``) fold each allocation into its op's net
+    bytes, which hides the peak inside a step. Raises where a torch lacks them."""
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None:
+        raise MegatronCoreError(
+            f"this torch ({torch.__version__}) keeps no kineto results on its profiler: the "
+            "allocator's timeline cannot be read on the CPU"
+        )
+    allocations, marks = [], []
+    for event in results.events():
+        name = event.name()
+        if name == "[memory]":
+            kind = str(event.device_type()).rsplit(".", 1)[-1].lower()
+            allocations.append((event.start_ns(), event.nbytes(), kind))
+        elif name.startswith(mark_prefix):
+            marks.append((event.start_ns(), name))
+    allocations.sort(key=lambda item: item[0])
+    marks.sort(key=lambda item: item[0])
+    return allocations, marks

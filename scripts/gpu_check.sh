@@ -31,6 +31,9 @@
 #   cp         scripts/check_context_parallel_cuda.py: context-parallel attention (p2p,
 #              all_gather, a2a) at CP=2 in bf16 against CP=1; two processes, NCCL on two GPUs,
 #              gloo sharing the GPU on one.
+#   plan       scripts/check_recompute_plan_cuda.py: the recompute planner's predicted peak
+#              against torch.cuda.max_memory_allocated for the plans it emits from the
+#              no-recompute peak down to the smallest that fits (bf16 autocast, one GPU).
 set -u
 cd "$(dirname "$0")/.."
 DRY=0
@@ -38,7 +41,7 @@ if [ "${1:-}" = "--dry-run" ]; then
   DRY=1
   shift
 fi
-ALL_STEPS="bench_mlp tests checks train drift cp"
+ALL_STEPS="bench_mlp tests checks train drift cp plan"
 STEPS="${*:-$ALL_STEPS}"
 for s in $STEPS; do
   case " $ALL_STEPS " in *" $s "*) ;; *) echo "gpu_check: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2 ;; esac
@@ -50,7 +53,7 @@ TESTS="${GPU_CHECK_TESTS:-tests}"  # test files or folders for the tests step
 
 SCRIPTS="scripts/benchmark_mlp_cuda.py scripts/check_tensor_parallel_cuda.py scripts/check_pipeline_cuda.py
 scripts/check_parallel_state_nccl.py scripts/train_gpt.py scripts/precision_drift.py
-scripts/check_context_parallel_cuda.py"
+scripts/check_context_parallel_cuda.py scripts/check_recompute_plan_cuda.py"
 if [ "$DRY" = 1 ]; then
   for f in $SCRIPTS; do
     [ -f "$f" ] || { echo "gpu_check --dry-run: $f is missing" >&2; exit 1; }
@@ -182,6 +185,12 @@ step_cp() {
   local log="$OUT/cp.log" start=$SECONDS
   run_logged "$log" 200 "$PY" scripts/check_context_parallel_cuda.py
   note cp $? $start "$log" "^cp=|FAIL|Error"
+}
+
+step_plan() {
+  local log="$OUT/plan.log" start=$SECONDS
+  run_logged "$log" 200 "$PY" scripts/check_recompute_plan_cuda.py
+  note plan $? $start "$log" "^\||bf16 autocast|FAIL|Error"
 }
 
 for s in $STEPS; do

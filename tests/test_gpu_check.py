@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh and its benchmark still start on a machine without a GPU: the
 script's --dry-run finds and compiles every step's script, and the MLP benchmark's checks (each
-mode against ours, ours against torch's nn.Linear) pass on one CPU rank at tiny sizes."""
+mode against ours, ours against torch's nn.Linear) and the recompute planner's check (predicted
+against measured peaks) pass on one CPU rank at tiny sizes."""
 
 import os
 import subprocess
@@ -18,7 +19,7 @@ def test_dry_run_finds_every_step_and_refuses_an_unknown_one():
         ["bash", script, "--dry-run"], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert "steps bench_mlp tests checks train drift cp" in done.stdout
+    assert "steps bench_mlp tests checks train drift cp plan" in done.stdout
     bad = subprocess.run(
         ["bash", script, "--dry-run", "nosuchstep"], env=env, capture_output=True, text=True
     )
@@ -35,3 +36,15 @@ def _benchmark_on_cpu():
 
 def test_mlp_benchmark_verifies_its_modes_on_cpu():
     assert run_distributed(_benchmark_on_cpu, 1, timeout=120) == [0]
+
+
+def _planner_check_on_cpu():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import check_recompute_plan_cuda
+
+    argv = ["--device", "cpu", "--layers", "3", "--hidden", "32", "--seq", "64", "--batch", "2"]
+    return check_recompute_plan_cuda.main(argv)
+
+
+def test_planner_check_runs_and_passes_on_cpu():
+    assert run_distributed(_planner_check_on_cpu, 1, timeout=300) == [0]

@@ -112,6 +112,14 @@ _ARGUMENTS = [
                 "with full: keep each checkpoint's input split across the TP group",
             ),
             (
+                "--memory-budget",
+                None,
+                {"type": str},
+                "plan the recompute per layer to fit this many bytes per rank (2GiB, 512MB, 80%% "
+                "of the device's memory): the fastest plan whose predicted peak fits; "
+                "not with --recompute-granularity or pipeline parallelism",
+            ),
+            (
                 "--device",
                 "cpu",
                 {"choices": ["cpu", "cuda"]},
@@ -314,6 +322,28 @@ def _check_tp(args: argparse.Namespace, world_size: int, fits: list[int]) -> Non
         )
 
 
+def _check_memory_budget(args: argparse.Namespace) -> None:
+    budget = getattr(args, "memory_budget", None)
+    if budget is None:
+        return
+    from megatron_core.tensor_parallel.recompute.plan import parse_memory_budget
+
+    if "%" not in budget:  # a share needs the device, which the process may not have yet
+        parse_memory_budget(budget)
+    else:
+        parse_memory_budget(budget, total_bytes=1)
+    if args.recompute_granularity is not None:
+        raise MegatronCoreError(
+            f"--memory-budget ({budget}) chooses the recompute itself: drop "
+            f"--recompute-granularity ({args.recompute_granularity})"
+        )
+    if args.pipeline_model_parallel_size > 1:
+        raise MegatronCoreError(
+            f"--memory-budget ({budget}) with --pipeline-model-parallel-size "
+            f"({args.pipeline_model_parallel_size}): the planner plans one stage at PP = 1 only"
+        )
+
+
 def _check_cp(args: argparse.Namespace) -> None:
     cp = _cp(args)
     if cp == 1:
@@ -350,6 +380,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.tensor_model_parallel_size = fits[-1]
     _check_cp(args)
     _check_tp(args, world_size, fits)
+    _check_memory_budget(args)
     dp = data_parallel_size(args, world_size)
     step = args.micro_batch_size * dp
     if args.global_batch_size is None:

@@ -9,6 +9,7 @@ global norm, set the learning rate and step AdamW over this rank's shards.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import random
@@ -26,6 +27,7 @@ from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_core.tensor_parallel.recompute.memory import count_saved_activations
+from megatron_core.training import memory_plan
 from megatron_core.training.arguments import validate_args
 from megatron_core.training.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from megatron_core.training.data import VOCAB_SIZE, ByteCorpus, get_batch
@@ -443,9 +445,22 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
     progress.print(_describe(args, corpus, config, num_parameters))
     for line in resume_lines:
         progress.print(line)
-    losses, end = {}, start
+    losses, end, plan = {}, start, None
+    if getattr(args, "memory_budget", None) is not None and start < args.train_iters:
+        plan, lines = memory_plan.plan_to_budget(args, model, optimizer, corpus, start)
+        for line in lines:
+            progress.print(line)
     for step in range(start, args.train_iters):
-        loss, activation_bytes = train_step(model, optimizer, corpus, args, step)
+        if plan is not None and step == min(start + 1, args.train_iters - 1):
+            (loss, activation_bytes), line = memory_plan.measured_iteration(
+                functools.partial(train_step, model, optimizer, corpus, args, step),
+                model,
+                optimizer,
+                plan,
+            )
+            progress.print(line)
+        else:
+            loss, activation_bytes = train_step(model, optimizer, corpus, args, step)
         end = step + 1
         losses[end] = loss
         progress.step(end, loss, learning_rate(args, step), activation_bytes)

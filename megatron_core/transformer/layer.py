@@ -93,6 +93,21 @@ class TransformerLayer(torch.nn.Module):
         self.recompute_layernorm = config.recomputes("layernorm")
         self.recompute_mlp = config.recomputes("mlp")
 
+    def set_selective_recompute(self, modules) -> None:
+        """Recompute exactly ``modules`` (megatron-core's selective names, a subset of
+        "core_attn", "mlp", "layernorm", "activation") in this layer from now on, whatever the
+        config says; an empty set recomputes nothing (a recompute plan's per-layer choice)."""
+        modules = set(modules)
+        unknown = modules - {"core_attn", "mlp", "layernorm", "activation"}
+        if unknown:
+            raise MegatronCoreError(
+                f"TransformerLayer.set_selective_recompute: unknown modules {sorted(unknown)}"
+            )
+        self.recompute_layernorm = "layernorm" in modules
+        self.recompute_mlp = "mlp" in modules
+        self.self_attention.checkpoint_core_attention = "core_attn" in modules
+        self.mlp.recompute_activation = "activation" in modules and "mlp" not in modules
+
     def _bias_dropout_add(self, x, bias, residual):
         if bias is not None:
             x = x + bias
@@ -191,10 +206,67 @@ class TransformerBlock(torch.nn.Module):
         )
         self.final_layernorm = make_layer_norm(config) if post_process else None
         self.input_tensor = None
+        self.layer_recompute: list[str] | None = None  # set_layer_recompute's full choices
+        self.probe = None  # a recompute planner's marks (plan_probe.py), else None
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """The activation [s, b, h] ([s/tp, b, h] under SP) received from the previous stage."""
         self.input_tensor = input_tensor
+
+    def set_layer_recompute(self, choices) -> None:
+        """Give each layer its own recompute (a recompute plan, in layer order): "none",
+        "full" (the layer is one checkpoint: only its input is kept), "full_distributed" (the
+        same, the input split over the TP group: not with sequence parallelism), or
+        "selective:" followed by "+"-joined module names (e.g. "selective:core_attn+layernorm").
+        Replaces the config's recompute for this chunk; ``None`` goes back to the config's
+        (selective choices made before stay on their layers)."""
+        if choices is None:
+            self.layer_recompute = None
+            selective = self.config.recompute_granularity == "selective"
+            modules = self.config.recompute_modules if selective else ()
+            for layer in self.layers:
+                layer.set_selective_recompute(modules)
+            return
+        choices = list(choices)
+        if len(choices) != len(self.layers):
+            raise MegatronCoreError(
+                f"TransformerBlock.set_layer_recompute: {len(choices)} choices for "
+                f"{len(self.layers)} layers"
+            )
+        full = []
+        for layer, choice in zip(self.layers, choices):
+            kind, _, modules = str(choice).partition(":")
+            if kind == "full_distributed" and self.config.sequence_parallel:
+                raise MegatronCoreError(
+                    "TransformerBlock.set_layer_recompute: 'full_distributed' with sequence "
+                    "parallelism (the checkpoint input is already split)"
+                )
+            if kind in ("none", "full", "full_distributed") and not modules:
+                layer.set_selective_recompute(())
+            elif kind == "selective" and modules:
+                layer.set_selective_recompute(modules.split("+"))
+            else:
+                raise MegatronCoreError(
+                    f"TransformerBlock.set_layer_recompute: choice {choice!r} is not 'none', "
+                    "'full', 'full_distributed' or 'selective:<module>+...'"
+                )
+            full.append(kind)
+        self.layer_recompute = full
+
+    def _forward_planned(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The layers under :meth:`set_layer_recompute`'s choices, with the probe's marks."""
+        probe = self.probe
+        for index, (layer, kind) in enumerate(zip(self.layers, self.layer_recompute)):
+            if probe is not None:
+                probe.layer_input(index, hidden_states)
+            if kind.startswith("full") and self.training and torch.is_grad_enabled():
+                # megatron-core's full recompute of one layer (its "block" method, n = 1)
+                hidden_states = checkpoint(layer, kind == "full_distributed", hidden_states)
+            else:
+                hidden_states = layer(hidden_states)
+            if probe is not None:
+                probe.layer_output(index, hidden_states)
+        return hidden_states
 
     def forward(self, hidden_states: torch.Tensor | None) -> torch.Tensor:
         """Run the chunk on [s, b, h] ([s/tp, b, h] under SP); same shape out. A chunk with
@@ -203,7 +275,9 @@ class TransformerBlock(torch.nn.Module):
         config = self.config
         if not self.pre_process:
             hidden_states = self.input_tensor
-        if config.recompute_granularity == "full" and self.training:
+        if self.layer_recompute is not None:
+            hidden_states = self._forward_planned(hidden_states)
+        elif config.recompute_granularity == "full" and self.training:
             hidden_states = checkpoint_layer_stack(
                 self.layers,
                 hidden_states,

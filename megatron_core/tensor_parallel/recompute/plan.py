@@ -1,0 +1,593 @@
+"""A memory budget in, the fastest recompute plan that fits out.
+
+Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
+
+    from megatron_core.tensor_parallel.recompute.plan import plan_recompute
+
+    plan = plan_recompute(model, lambda: model(tokens, labels).mean(), "2GiB", optimizer)
+    print(plan)          # per-layer choices, predicted peak and overhead, megatron-core fields
+    plan.apply(model)    # TransformerBlock.set_layer_recompute(plan.choices)
+
+# NOTE [ Recompute planner ]
+1. Options. Each layer of the model's TransformerBlock gets one of :func:`candidate_options`:
+   "none"; selective recompute of megatron-core's modules ("selective:core_attn",
+   "+activation", "+layernorm", or "mlp" whole); "full" (the layer is one checkpoint, only its
+   input kept: megatron-core's full recompute, block method, one layer); "full_distributed"
+   (that input split over the TP group; TP > 1 without sequence parallelism).
+2. Measure, do not guess. For every option, one probe step of the user's own model, data,
+   layout and precision with that option on every layer runs under a :class:`MemoryTimeline`
+   (plan_probe.py: ``max_memory_allocated`` on CUDA, the profiler's allocator events on the
+   CPU) with marks after each layer's forward, after the loss, and as each layer's backward
+   begins and ends. From them, per option o: ``k_o`` the bytes one layer keeps for backward
+   (the step between consecutive layers' forward marks), ``fwd_o`` / ``bwd_o`` the most a
+   layer's forward / backward (recompute included) allocates above what was allocated as it
+   began, and ``u_o`` what a layer's forward and backward together leave allocated (its
+   parameters' gradients; under autocast also weight casts a recompute made). From the "none"
+   probe: ``pre`` (kept before the first layer: embeddings, inputs), the head (final norm,
+   logits, loss: its peak above the last layer's mark, and what it leaves for the backward)
+   and the tail (embedding backward). The step time of each option is the median of timed
+   repeats, run round-robin over the options (a slow spell of a shared machine hits all
+   alike); an option costs ``(t_o - t_none) / L`` per layer, at least its share of a layer's
+   forward FLOPs times a third of a layer's step (the fallback where timing cannot see it),
+   and at least what any option recomputing less of the layer costs. The model states
+   (parameters, gradients, optimizer states, main parameters) are counted from the objects
+   (``model_state_bytes``; an optimizer that has not stepped yet: the moments its first step
+   will make, ``pending_optimizer_state_bytes``).
+3. Prediction. With K_j the kept bytes of layers 0..j and U_j what layers j+1.. left after
+   their backward, the step's peak above the model states is the largest of
+   ``pre + K_{j-1} + fwd_{o_j}`` (layer j's forward), ``pre + K_{L-1} + head``, ``pre +
+   head_left + K_j + U_j + bwd_{o_j}`` (layer j's backward: layers after j have freed what
+   they kept) and the tail after layer 0's backward. Layers of one block are alike: an
+   option's kept and left bytes are the means over the probed layers, its forward and backward
+   peaks the largest. Where it can be wrong: a forward
+   whose allocations depend on the data, allocator caching and fragmentation on CUDA
+   (``max_memory_allocated`` counts live tensors, not reserved memory), autocast's weight-cast
+   cache (held to the end of the forward, whatever recomputes), timing noise.
+4. Search. Dynamic programming over the layers with K (the kept bytes so far) as the state: a
+   state with more kept bytes and no less time is dropped (it can only meet later bounds less
+   easily), and the cost is a sum over layers. The backward terms also depend on the layers
+   after j through U_j, bounded in the search by (L - 1 - j) times the largest u (u differs
+   little between options: gradients are the same); the chosen plan's own prediction is
+   exact, and at most the bound. Without that bound the search would be exact. The states
+   per layer are at most the distinct sums of L options' k (a few thousand for the layer
+   counts and option sets here).
+   No plan fits: the error names the smallest budget that fits (a bisection over the budget)
+   and what that plan recomputes.
+5. Agreement. Ranks probe their own step; each rank's predicted peak with each option on every
+   layer is compared (all_reduce MIN and MAX over the default group) and must agree within 25%
+   (one layout, one shape per rank; ranks differ a little legitimately, more so in a small
+   model: a context-parallel ring's first rank skips blocks the others compute, the check
+   window's agreements run on some ranks' collectives only): otherwise every rank raises the same
+   error, naming the option and the range. The plan then uses the largest of every byte
+   number and the slowest times, so every rank computes the same plan, and keeps a headroom
+   below the budget: the ranks' largest difference plus 2% of the budget (:func:`headroom`).
+6. megatron-core. Its TransformerConfig expresses one recompute for all layers: none, selective
+   with one ``recompute_modules`` set, or full with uniform / block and ``recompute_num_layers``
+   (with ``distribute_saved_activations``). :attr:`RecomputePlan.megatron` is the fastest of
+   those that fits by the same prediction, as TransformerConfig fields, with its predicted peak
+   and overhead beside the per-layer plan's.
+7. Scope. One pipeline stage at PP = 1 (a layout with PP > 1 is refused by name: its stage holds
+   several microbatches, which this probe does not model yet), any TP, SP, CP, precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import device
+from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.random import get_rng_snapshot, set_rng_snapshot
+from megatron_core.tensor_parallel.recompute.plan_probe import (
+    model_state_bytes,
+    pending_optimizer_state_bytes,
+    probe_step,
+    time_step,
+)
+
+__all__ = [
+    "OptionMeasure",
+    "StageMeasure",
+    "RecomputePlan",
+    "candidate_options",
+    "parse_memory_budget",
+    "measure_stage",
+    "predict_peak",
+    "headroom",
+    "search_plan",
+    "smallest_fit",
+    "plan_recompute",
+]
+
+_MiB = 1 << 20
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+_SELECTIVE = (
+    "selective:core_attn",
+    "selective:core_attn+activation",
+    "selective:layernorm+core_attn+activation",
+    "selective:layernorm+core_attn+mlp",
+)
+
+
+def candidate_options(tensor_parallel_size: int, sequence_parallel: bool) -> list[str]:
+    """The per-layer recompute options the planner weighs (NOTE [ Recompute planner ], rule 1),
+    cheapest first."""
+    options = ["none", *_SELECTIVE, "full"]
+    if tensor_parallel_size > 1 and not sequence_parallel:
+        options.append("full_distributed")
+    return options
+
+
+def parse_memory_budget(budget, total_bytes: int | None = None) -> int:
+    """Bytes of a budget: an int, or text such as "2GiB", "1.5 GB", "512MiB", "3e9", or a
+    percentage ("80%") of ``total_bytes`` (default: the device's memory, on a CPU the
+    machine's). Raises MegatronCoreError naming the value when it is none of these."""
+    if isinstance(budget, bool):
+        raise MegatronCoreError(f"memory budget {budget!r} is not a size")
+    if isinstance(budget, int):
+        value = budget
+    else:
+        text = str(budget).strip().lower().replace(" ", "")
+        percent = re.fullmatch(r"(\d+(?:\.\d+)?)%", text)
+        sized = re.fullmatch(r"(\d+(?:\.\d+)?(?:e\d+)?)([a-z]*)", text)
+        if percent:
+            share = float(percent.group(1))
+            if not 0 < share <= 100:
+                raise MegatronCoreError(f"memory budget {budget!r}: a share must be in (0, 100]%")
+            value = int(share / 100 * (total_bytes or _device_total_bytes()))
+        elif sized and sized.group(2) in _UNITS:
+            value = int(float(sized.group(1)) * _UNITS[sized.group(2)])
+        else:
+            raise MegatronCoreError(
+                f"memory budget {budget!r} is not a size (e.g. 2GiB, 512MB, 3e9) or a share "
+                "of the device's memory (e.g. 80%)"
+            )
+    if value <= 0:
+        raise MegatronCoreError(f"memory budget {budget!r} must be above 0 bytes")
+    return value
+
+
+def _device_total_bytes() -> int:
+    if device.device_type() == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionMeasure:
+    """What one option costs a layer (NOTE [ Recompute planner ], rule 2): kept bytes, forward
+    / backward peaks above the allocation as the layer began, what the layer's forward and
+    backward leave allocated, and milliseconds per step over "none"."""
+
+    kept: int
+    forward: int
+    backward: int
+    left: int
+    extra_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMeasure:
+    """A stage's measurements (NOTE [ Recompute planner ], rule 2); bytes above the model
+    states, ``static`` the model states themselves."""
+
+    layers: int
+    static: int
+    pre: int
+    head: int
+    head_left: int
+    tail: int
+    step_ms: float
+    options: dict[str, OptionMeasure]
+    spread: int = 0  # the ranks' largest difference of a uniform plan's peak (rule 5)
+
+
+def _option_numbers(points: dict, layers: int) -> list[int]:
+    """[kept, forward, backward, left] of a uniform probe (rule 2)."""
+    kept = (points[f"f{layers - 1}"][0] - points["f0"][0]) // (layers - 1)
+    forward = max(points[f"f{i}"][1] - points[f"f{i - 1}"][0] for i in range(1, layers))
+    backward = max(points[f"g{j - 1}"][1] - points[f"g{j}"][0] for j in range(layers))
+    # what the layers' backward passes leave, on average (their sum is what the bound uses)
+    left = (points["g-1"][0] - points[f"g{layers - 1}"][0]) // layers + kept
+    return [kept, forward, backward, left]
+
+
+def _check_points(points: dict, layers: int, option: str) -> None:
+    wanted = [f"f{i}" for i in range(layers)] + [f"g{j}" for j in range(-1, layers)]
+    missing = [name for name in wanted + ["head", "end"] if name not in points]
+    if missing:
+        raise MegatronCoreError(
+            f"recompute planner: the probe step with {option!r} did not reach marks {missing} "
+            "(does the loss depend on every layer, and does the model run in training mode?)"
+        )
+
+
+def measure_stage(
+    model: torch.nn.Module,
+    forward: Callable[[], torch.Tensor],
+    optimizer=None,
+    options: Sequence[str] | None = None,
+    repeats: int = 3,
+) -> StageMeasure:
+    """Probe ``model`` (holding one TransformerBlock, in training mode) with every option
+    (default :func:`candidate_options`): one measured step and ``repeats`` timed steps each,
+    then agree the numbers across ranks (NOTE [ Recompute planner ], rules 2 and 5)."""
+    from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks
+
+    (block,) = _find_blocks(model)
+    config = block.config
+    if config.pipeline_model_parallel_size > 1:
+        raise MegatronCoreError(
+            "recompute planner: pipeline_model_parallel_size "
+            f"({config.pipeline_model_parallel_size}) > 1 is not supported yet (a stage holds "
+            "several microbatches' activations under 1F1B); plan at PP = 1"
+        )
+    layers = len(block.layers)
+    if layers < 2:
+        raise MegatronCoreError(
+            f"recompute planner: needs at least 2 layers, the block has {layers}"
+        )
+    if not model.training:
+        raise MegatronCoreError("recompute planner: the model must be in training mode")
+    if options is None:
+        options = candidate_options(config.tensor_model_parallel_size, config.sequence_parallel)
+    options = list(options)
+    if options[0] != "none":
+        raise MegatronCoreError(f"recompute planner: options must start with 'none', got {options}")
+    time_step(model, ["none"] * layers, forward, 1)  # warm-up: lazy state, caches
+    probes, shapes, times = {}, {}, {option: [] for option in options}
+    for option in options:
+        probe = probe_step(model, [option] * layers, forward)
+        probes[option], shapes[option] = probe.points, probe.shape
+        _check_points(probes[option], layers, option)
+    for round_ in range(repeats):  # round-robin, rotated: a slow spell hits every option alike
+        for i in range(len(options)):
+            option = options[(i + round_) % len(options)]
+            times[option].append(time_step(model, [option] * layers, forward, 1))
+    times = {option: sorted(t)[len(t) // 2] for option, t in times.items()}
+    block.set_layer_recompute(None)
+    none = probes["none"]
+    kept = _option_numbers(none, layers)[0]
+    last = none[f"f{layers - 1}"][0]
+    numbers = [
+        model_state_bytes(model, optimizer) + pending_optimizer_state_bytes(optimizer),
+        none["f0"][0] - kept,  # pre
+        max(none["head"][1], none[f"g{layers - 1}"][1]) - last,  # head
+        none[f"g{layers - 1}"][0] - last,  # head_left
+        none["end"][1] - none["g-1"][0],  # tail
+    ]
+    for option in options:
+        numbers += _option_numbers(probes[option], layers)
+    local = _stage(layers, options, numbers, [0.0] * len(options))
+    peaks = [predict_peak(local, [o] * layers) for o in options]
+    numbers, spread = _agree(numbers, peaks, options)
+    slowest = _slowest([times[o] for o in options])
+    floors = _flop_floors(options, config, shapes["none"], slowest[0] / layers)
+    extra = {o: max(floors[o], (slowest[i] - slowest[0]) / layers) for i, o in enumerate(options)}
+    extra = _monotone(extra)
+    return _stage(layers, options, numbers, [extra[o] for o in options], slowest[0], spread)
+
+
+def _stage(layers, options, numbers, extra, step_ms=0.0, spread=0) -> StageMeasure:
+    measures = {
+        option: OptionMeasure(*numbers[5 + 4 * i : 9 + 4 * i], extra[i])
+        for i, option in enumerate(options)
+    }
+    return StageMeasure(layers, *numbers[:5], step_ms, measures, spread)
+
+
+def _flop_floors(options, config, shape, layer_ms: float) -> dict[str, float]:
+    """The FLOP-share fallback of an option's time (rule 2): the share of a layer's forward
+    FLOPs it runs again, times a third of a layer's step (forward ~ 1/3 of forward + backward).
+    Per token: linears 2 (4h^2 + 2 h f) / tp, attention 4 s h / tp (s: the keys attended)."""
+    h, f = config.hidden_size, config.ffn_hidden_size
+    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+    s = shape[0] * (tp if config.sequence_parallel else 1) * cp if shape else 1
+    attention, qkv_proj, mlp = 4 * s * h, 8 * h * h, 4 * h * f
+    layer = attention + qkv_proj + mlp
+    elementwise = 0.01 * layer  # norms and gelu: memory-bound, not FLOP-bound; a small share
+    share = {"core_attn": attention, "mlp": mlp, "activation": elementwise,
+             "layernorm": elementwise}  # fmt: skip
+    floors = {}
+    for option in options:
+        kind, _, modules = option.partition(":")
+        if kind == "none":
+            cost = 0.0
+        elif kind.startswith("full"):
+            cost = float(layer)
+        else:
+            cost = float(sum(share[m] for m in modules.split("+")))
+        floors[option] = cost / layer * layer_ms / 3
+    return floors
+
+
+def _monotone(extra: dict[str, float]) -> dict[str, float]:
+    """An option that recomputes everything another does costs at least as much (timing noise
+    must not make full recompute look cheaper than part of it)."""
+
+    def parts(option):
+        kind, _, modules = option.partition(":")
+        if kind.startswith("full"):
+            return {"all"}
+        return set(modules.split("+")) if modules else set()
+
+    result = dict(extra)
+    for option in extra:
+        for other in extra:
+            mine, theirs = parts(option), parts(other)
+            if option != other and (mine == {"all"} or theirs < mine):
+                result[option] = max(result[option], extra[other])
+    return result
+
+
+def _agree(numbers: list[int], peaks: list[int], options: Sequence[str]) -> tuple[list, int]:
+    """Rule 5: every rank's predicted peak of each option on all layers within 25% of the
+    others'; then the largest of each number, on every rank, and the largest difference."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return numbers, 0
+    where = device.current_device()
+    high = torch.tensor(peaks + numbers, dtype=torch.float64, device=where)
+    low = high.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    spread = 0
+    for option, hi, lo in zip(options, high.tolist(), low.tolist()):
+        if hi - lo > 0.25 * hi:
+            raise MegatronCoreError(
+                f"recompute planner: the ranks' probe steps disagree: with {option!r} on every "
+                f"layer their peaks range from {int(lo):,} to {int(hi):,} bytes (ranks of one "
+                "layout must run the same step)"
+            )
+        spread = max(spread, int(hi - lo))
+    return [int(x) for x in high.tolist()[len(peaks) :]], spread
+
+
+def _slowest(times: list[float]) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return times
+    where = device.current_device()
+    values = torch.tensor(times, dtype=torch.float64, device=where)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
+
+
+def headroom(stage: StageMeasure, budget: int) -> int:
+    """Bytes the search keeps free below the budget (rule 5): the ranks' spread plus 2% of
+    the budget, for what one rank's numbers cannot show of another's."""
+    return stage.spread + budget // 50
+
+
+def predict_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
+    """The step's predicted peak bytes above the model states under per-layer ``choices``
+    (NOTE [ Recompute planner ], rule 3)."""
+    peak, kept = 0, 0
+    for choice in choices:
+        option = stage.options[choice]
+        peak = max(peak, stage.pre + kept + option.forward)
+        kept += option.kept
+    peak = max(peak, stage.pre + kept + stage.head)
+    live = stage.pre + kept + stage.head_left
+    for choice in reversed(choices):
+        option = stage.options[choice]
+        peak = max(peak, live + option.backward)
+        live += option.left - option.kept
+    return max(peak, live + stage.tail)
+
+
+def _overhead(stage: StageMeasure, choices: Sequence[str]) -> float:
+    return sum(stage.options[c].extra_ms for c in choices)
+
+
+def search_plan(stage: StageMeasure, limit: int) -> tuple[list[str], int, float] | None:
+    """The per-layer choices with the least predicted overhead whose predicted peak above the
+    model states is at most ``limit`` bytes, as (choices, peak, overhead ms); None if none fits
+    (NOTE [ Recompute planner ], rule 4)."""
+    layers, pre = stage.layers, stage.pre
+    most_left = max(o.left for o in stage.options.values())
+    # state: kept bytes so far -> (overhead, choices)
+    states: dict[int, tuple[float, tuple[str, ...]]] = {0: (0.0, ())}
+    for j in range(layers):
+        after_j = (layers - 1 - j) * most_left  # the bound on U_j (rule 4)
+        grown: dict[int, tuple[float, tuple[str, ...]]] = {}
+        for kept, (cost, choices) in states.items():
+            for name, option in stage.options.items():
+                total = kept + option.kept
+                forward = pre + kept + option.forward
+                backward = pre + stage.head_left + total + after_j + option.backward
+                if forward > limit or backward > limit:
+                    continue
+                if total not in grown or cost + option.extra_ms < grown[total][0]:
+                    grown[total] = (cost + option.extra_ms, choices + (name,))
+        states = _pareto(grown)
+    best = None
+    for kept, (cost, choices) in states.items():
+        bounded_tail = pre + stage.head_left + layers * most_left + stage.tail
+        if max(pre + kept + stage.head, bounded_tail) > limit:
+            continue
+        if best is None or cost < best[2]:
+            best = (list(choices), predict_peak(stage, choices), cost)
+    return best
+
+
+def _pareto(states: dict) -> dict:
+    """Drop every state with more kept bytes and no less overhead than another."""
+    kept_front, best_cost = {}, float("inf")
+    for kept in sorted(states):
+        if states[kept][0] < best_cost:
+            kept_front[kept] = states[kept]
+            best_cost = states[kept][0]
+    return kept_front
+
+
+def _megatron_candidates(stage: StageMeasure) -> list[tuple[dict, list[str]]]:
+    layers, found = stage.layers, []
+    found.append(({"recompute_granularity": None}, ["none"] * layers))
+    for option in stage.options:
+        if option.startswith("selective:"):
+            modules = option.split(":", 1)[1].split("+")
+            fields = {"recompute_granularity": "selective", "recompute_modules": modules}
+            found.append((fields, [option] * layers))
+    for option in ("full", "full_distributed"):
+        if option not in stage.options:
+            continue
+        for n in range(1, layers + 1):
+            fields = {"recompute_granularity": "full", "recompute_method": "block",
+                      "recompute_num_layers": n,
+                      "distribute_saved_activations": option == "full_distributed"}  # fmt: skip
+            found.append((fields, [option] * n + ["none"] * (layers - n)))
+    return found
+
+
+@dataclasses.dataclass
+class RecomputePlan:
+    """A per-layer recompute plan with its prediction.
+
+    Attributes:
+        choices: one option per layer (NOTE [ Recompute planner ], rule 1).
+        budget: the budget in bytes, and whether it bounds the total or activations only.
+        predicted_peak: predicted peak bytes of a training step on this rank: model states +
+            the step's peak (or the step's alone, with ``activations_only``).
+        overhead_ms: predicted extra milliseconds per microbatch over no recompute.
+        step_ms: the measured milliseconds of a microbatch without recompute.
+        megatron: the fastest plan megatron-core's TransformerConfig can express that fits
+            (its fields, predicted peak and overhead), or None where none fits.
+        stage: the measurements.
+    """
+
+    choices: list[str]
+    budget: int
+    activations_only: bool
+    predicted_peak: int
+    overhead_ms: float
+    step_ms: float
+    megatron: dict | None
+    stage: StageMeasure
+
+    def apply(self, model: torch.nn.Module) -> None:
+        """Set the plan on ``model``'s TransformerBlock (``set_layer_recompute``)."""
+        from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks
+
+        (block,) = _find_blocks(model)
+        block.set_layer_recompute(self.choices)
+
+    def __str__(self) -> str:
+        stage, lines = self.stage, []
+        scope = "activations" if self.activations_only else "total"
+        lines.append(
+            f"recompute plan: budget {self.budget / _MiB:,.1f} MiB ({scope}), predicted peak "
+            f"{self.predicted_peak / _MiB:,.1f} MiB, overhead {self.overhead_ms:.2f} ms per "
+            f"microbatch over {self.step_ms:.2f} ms without recompute"
+        )
+        lines.append(f"  model states {stage.static / _MiB:,.1f} MiB")
+        lines.append("  | layer | recompute | kept (MiB) | extra (ms) |")
+        lines.append("  |---|---|---|---|")
+        for j, choice in enumerate(self.choices):
+            option = stage.options[choice]
+            lines.append(
+                f"  | {j} | {choice} | {option.kept / _MiB:.2f} | {option.extra_ms:.2f} |"
+            )
+        if self.megatron is None:
+            lines.append("  megatron-core TransformerConfig: no single setting fits")
+        else:
+            fields = ", ".join(f"{k}={v!r}" for k, v in self.megatron["fields"].items())
+            lines.append(
+                f"  megatron-core TransformerConfig: {fields} (predicted peak "
+                f"{self.megatron['predicted_peak'] / _MiB:,.1f} MiB, overhead "
+                f"{self.megatron['overhead_ms']:.2f} ms)"
+            )
+        return "\n".join(lines)
+
+
+def plan_recompute(
+    model: torch.nn.Module,
+    forward: Callable[[], torch.Tensor],
+    budget,
+    optimizer=None,
+    activations_only: bool = False,
+    options: Sequence[str] | None = None,
+    repeats: int = 3,
+) -> RecomputePlan:
+    """Probe ``model`` and choose per layer the recompute with the least predicted time whose
+    predicted peak fits ``budget`` (NOTE [ Recompute planner ]).
+
+    Args:
+        model: a module holding one TransformerBlock (our GPTModel), in training mode, on this
+            rank's device; every rank of the layout calls this together (collectives).
+        forward: runs one microbatch's forward and returns its scalar loss (what ``backward``
+            is called on), as the training loop does it (autocast, loss scaling included).
+        budget: bytes per rank (:func:`parse_memory_budget`: "2GiB", "80%", an int).
+        optimizer: the optimizer whose states count towards the model states (before its
+            first step, what they will take: ``pending_optimizer_state_bytes``), or None.
+        The RNG streams (CPU, device, tracker) are restored after the probe steps.
+        activations_only: the budget bounds the step's peak above the model states only.
+        options: the options to weigh (default :func:`candidate_options`).
+        repeats: timed steps per option.
+
+    Raises:
+        MegatronCoreError: a budget that is not a size, a layout the planner cannot probe,
+            ranks whose probes disagree, or a budget no plan fits (naming the smallest that
+            fits and what it recomputes), on every rank alike.
+    """
+    limit_total = parse_memory_budget(budget)
+    rng = get_rng_snapshot()  # the probe steps' dropout draws leave the training's streams be
+    try:
+        stage = measure_stage(model, forward, optimizer, options, repeats)
+    finally:
+        set_rng_snapshot(rng)
+    static = 0 if activations_only else stage.static
+    limit = limit_total - static - headroom(stage, limit_total)
+    found = search_plan(stage, limit)
+    if found is None:
+        raise MegatronCoreError(_no_fit_message(stage, limit_total, static))
+    choices, peak, overhead = found
+    megatron = None
+    for fields, candidate in _megatron_candidates(stage):
+        candidate_peak = predict_peak(stage, candidate)
+        if candidate_peak > limit:
+            continue
+        cost = _overhead(stage, candidate)
+        if megatron is None or cost < megatron["overhead_ms"]:
+            megatron = {"fields": fields, "predicted_peak": static + candidate_peak,
+                        "overhead_ms": cost, "choices": candidate}  # fmt: skip
+    return RecomputePlan(
+        choices, limit_total, activations_only, static + peak, overhead, stage.step_ms,
+        megatron, stage,
+    )  # fmt: skip
+
+
+def smallest_fit(stage: StageMeasure) -> tuple[int, list[str]]:
+    """The smallest limit (bytes above the model states, to 0.1%) at which :func:`search_plan`
+    finds a plan, and that plan's choices (a bisection over the limit)."""
+    low = 0
+    high = stage.pre + stage.head + stage.head_left + stage.tail + stage.layers * max(
+        o.kept + o.forward + o.backward + abs(o.left) for o in stage.options.values()
+    )
+    while search_plan(stage, high) is None:
+        low, high = high, 2 * high
+    while high - low > max(1, high // 1000):
+        middle = (low + high) // 2
+        if search_plan(stage, middle) is None:
+            low = middle
+        else:
+            high = middle
+    return high, search_plan(stage, high)[0]
+
+
+def _no_fit_message(stage: StageMeasure, budget: int, static: int) -> str:
+    limit, choices = smallest_fit(stage)
+    fits = static + limit + headroom(stage, 2 * (static + limit))
+    counts = {c: choices.count(c) for c in dict.fromkeys(choices)}
+    what = ", ".join(f"{n} x {c}" for c, n in counts.items())
+    return (
+        f"recompute planner: no plan fits the budget of {budget:,} bytes "
+        f"({budget / _MiB:,.1f} MiB); the smallest that fits is {fits:,} bytes "
+        f"({fits / _MiB:,.1f} MiB, model states {static / _MiB:,.1f} MiB), "
+        f"recomputing {what}"
+    )

@@ -1,0 +1,258 @@
+"""Measuring what a recompute plan needs, on the user's own model and layout: the allocator's
+bytes between marks of one training step (:class:`MemoryTimeline`), the marks a
+:class:`~megatron_core.transformer.TransformerBlock` sets around each layer
+(:class:`LayerMarks`), and the bytes of the model states (:func:`model_state_bytes`).
+
+The model that turns these measurements into a prediction, and the search, are in plan.py
+(NOTE [ Recompute planner ]).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from megatron_core import compat, device
+from megatron_core.errors import MegatronCoreError
+from megatron_core.tensor_parallel.recompute.memory import storage_key_and_nbytes
+
+__all__ = [
+    "MemoryTimeline",
+    "LayerMarks",
+    "Probe",
+    "model_state_bytes",
+    "pending_optimizer_state_bytes",
+    "probe_step",
+    "time_step",
+]
+
+_MARK = "megatron_core.recompute_plan:"
+
+
+class MemoryTimeline:
+    """Bytes allocated on this rank's device while a block runs, read at named marks.
+
+    After the block, :attr:`points` holds for every :meth:`mark`, in order,
+    ``(name, live, peak)``: the bytes allocated at the mark and the most allocated since the
+    previous mark (or the block's start), both counted from what was allocated when the block
+    began. On CUDA they are ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` read at
+    each mark after a synchronize (the peak statistic is reset at each mark). On the CPU, which
+    keeps no such counter, torch's profiler records every allocation and free with its time
+    (``profile_memory=True``); each mark is a ``record_function`` range, and the allocations are
+    replayed in time order up to each mark. Marks must come from the thread that runs the step
+    (autograd runs a CPU backward, and its tensor hooks, on the caller's thread). The profiler
+    drops the frees of blocks allocated before it started: on the CPU, begin where nothing
+    older is freed inside (drop the gradients first).
+    """
+
+    def __init__(self) -> None:
+        self.cuda = device.device_type() == "cuda"
+        self.points: list[tuple[str, int, int]] = []
+        self._profiler = None
+        self._base = 0
+
+    def __enter__(self) -> MemoryTimeline:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self._profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            )
+            self._profiler.__enter__()
+        return self
+
+    def mark(self, name: str) -> None:
+        """Record the allocator's state now under ``name``."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            live = torch.cuda.memory_allocated() - self._base
+            peak = torch.cuda.max_memory_allocated() - self._base
+            torch.cuda.reset_peak_memory_stats()
+            self.points.append((name, live, peak))
+        else:
+            with torch.profiler.record_function(_MARK + name):
+                pass
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            return
+        self._profiler.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        allocations, marks = compat.profiler_allocations(self._profiler, _MARK)
+        live = peak = 0
+        index = 0
+        for at, name in marks:
+            while index < len(allocations) and allocations[index][0] <= at:
+                _, nbytes, kind = allocations[index]
+                if kind == "cpu":
+                    live += nbytes
+                    peak = max(peak, live)
+                index += 1
+            self.points.append((name[len(_MARK) :], live, peak))
+            peak = live
+
+    def as_dict(self) -> dict[str, tuple[int, int]]:
+        """``{name: (live, peak)}`` of :attr:`points`."""
+        return {name: (live, peak) for name, live, peak in self.points}
+
+
+class LayerMarks:
+    """The marks a TransformerBlock sets while it is ``probe``'d (``block.probe = marks``,
+    with ``block.set_layer_recompute``): ``f{i}`` after layer i's forward; ``g{i}`` when the
+    gradient of layer i's output is complete (layer i's backward begins; for the last layer,
+    the head's backward has ended); ``g-1`` when the gradient of layer 0's input is complete
+    (layer 0's backward has ended)."""
+
+    def __init__(self, timeline: MemoryTimeline) -> None:
+        self.timeline = timeline
+        self.shape: tuple[int, ...] | None = None  # layer 0's input shape
+
+    def layer_input(self, index: int, hidden: torch.Tensor) -> None:
+        """Before layer ``index`` runs on ``hidden``."""
+        if index == 0:
+            self.shape = tuple(hidden.shape)
+        if index == 0 and hidden.requires_grad:
+            hidden.register_hook(self._hook("g-1"))
+
+    def layer_output(self, index: int, hidden: torch.Tensor) -> None:
+        """After layer ``index`` returned ``hidden``."""
+        self.timeline.mark(f"f{index}")
+        if hidden.requires_grad:
+            hidden.register_hook(self._hook(f"g{index}"))
+
+    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self.timeline.mark(name)
+
+        return hook
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer=None) -> int:
+    """Bytes of this rank's model states, each storage once: the parameters and their
+    gradients (``.grad``, and ``.main_grad`` where present), and for ``optimizer`` (and the
+    optimizer it wraps, ``.optimizer``, as a mixed-precision wrapper does) the parameters of its
+    groups (fp32 main weights) with their gradients, and its state tensors (Adam's moments).
+    Counted from the objects, not estimated: an optimizer that has not stepped yet has no
+    state to count."""
+    seen: dict = {}
+
+    def add(tensor) -> None:
+        if isinstance(tensor, torch.Tensor):
+            key, nbytes = storage_key_and_nbytes(tensor)
+            seen[key if key is not None else ("unkeyed", id(tensor))] = nbytes
+
+    def add_param(param) -> None:
+        add(param)
+        add(param.grad)
+        add(getattr(param, "main_grad", None))
+
+    for param in model.parameters():
+        add_param(param)
+    while optimizer is not None:
+        for group in getattr(optimizer, "param_groups", []):
+            for param in group["params"]:
+                add_param(param)
+        for state in getattr(optimizer, "state", {}).values():
+            for value in state.values():
+                add(value)
+        inner = getattr(optimizer, "optimizer", None)
+        optimizer = inner if inner is not optimizer else None
+    return sum(seen.values())
+
+
+def pending_optimizer_state_bytes(optimizer) -> int:
+    """Bytes the optimizer's states will take at its first step, where it has none yet (0 once
+    it has): Adam / AdamW two moments per parameter of its groups, SGD with momentum one; the
+    rest is assumed Adam-like (two). Lets a plan made before the first step count them."""
+    inner = optimizer
+    while getattr(inner, "optimizer", None) is not None and inner.optimizer is not inner:
+        inner = inner.optimizer
+    if getattr(inner, "state", None):
+        return 0
+    per_param = 2
+    if isinstance(inner, torch.optim.SGD):
+        per_param = 1 if any(g.get("momentum", 0) for g in inner.param_groups) else 0
+    total = 0
+    for group in getattr(inner, "param_groups", []):
+        for param in group["params"]:
+            total += per_param * param.numel() * param.element_size()
+    return total
+
+
+def _find_blocks(model: torch.nn.Module) -> list:
+    """The model's layer stack: the one submodule with ``set_layer_recompute`` and ``probe``
+    (megatron_core.transformer's TransformerBlock; found by what it offers, so this module does
+    not import the transformer family above it)."""
+    blocks = [
+        m for m in model.modules() if hasattr(m, "set_layer_recompute") and hasattr(m, "probe")
+    ]
+    if len(blocks) != 1:
+        raise MegatronCoreError(
+            "recompute planner: the model must hold one TransformerBlock (a module with "
+            f"set_layer_recompute), it holds {len(blocks)}"
+        )
+    return blocks
+
+
+class Probe(NamedTuple):
+    """A probe step's allocator marks ``{name: (live, peak)}`` (:class:`MemoryTimeline`) and
+    layer 0's input shape."""
+
+    points: dict[str, tuple[int, int]]
+    shape: tuple[int, ...] | None
+
+    @property
+    def peak(self) -> int:
+        """The most bytes allocated during the step, above what was allocated before it."""
+        return max(peak for _, peak in self.points.values())
+
+
+def probe_step(
+    model: torch.nn.Module, choices: list[str], forward: Callable[[], torch.Tensor]
+) -> Probe:
+    """One forward + backward of ``forward()`` (which returns the scalar loss) with the layers'
+    recompute set to ``choices``; the allocator's marks (:class:`MemoryTimeline`,
+    :class:`LayerMarks`) plus ``head`` (after the loss) and ``end`` (after backward). The
+    gradients are dropped afterwards (``set_to_none``)."""
+    (block,) = _find_blocks(model)
+    block.set_layer_recompute(choices)
+    model.zero_grad(set_to_none=True)
+    timeline = MemoryTimeline()
+    block.probe = marks = LayerMarks(timeline)
+    try:
+        with timeline:
+            loss = forward()
+            timeline.mark("head")
+            loss.backward()
+            timeline.mark("end")
+            del loss
+    finally:
+        block.probe = None
+        model.zero_grad(set_to_none=True)
+    return Probe(timeline.as_dict(), marks.shape)
+
+
+def time_step(
+    model: torch.nn.Module, choices: list[str], forward: Callable[[], torch.Tensor], repeats: int
+) -> float:
+    """Median milliseconds of ``repeats`` forward + backward steps with the layers' recompute
+    set to ``choices`` (the host clock, the device synchronized around each step)."""
+    (block,) = _find_blocks(model)
+    block.set_layer_recompute(choices)
+    times = []
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        device.synchronize()
+        start = time.perf_counter()
+        forward().backward()
+        device.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    model.zero_grad(set_to_none=True)
+    times.sort()
+    return times[len(times) // 2]

@@ -1,0 +1,63 @@
+"""The main job's ``--memory-budget``: plan the recompute before the first iteration, train
+with the plan, and measure the second iteration's peak against the prediction.
+
+Every rank probes one microbatch of the first iteration's data (NOTE [ Recompute planner ] in
+tensor_parallel/recompute/plan.py; the optimizer's moments, not made yet, are counted as its
+first step will make them), the plan is printed and applied to the model's layers, and the
+second iteration (the first where the moments exist; the only one of a one-iteration run) runs
+under the allocator timeline: its peak (model states + the iteration's peak, the optimizer
+step included) is printed beside the prediction (forward and backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_core.tensor_parallel.recompute.plan import RecomputePlan, plan_recompute
+from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline, model_state_bytes
+from megatron_core.training.data import ByteCorpus, get_batch
+from megatron_core.training.mixed_precision import MixedPrecisionOptimizer
+
+__all__ = ["plan_to_budget", "measured_iteration"]
+
+_MiB = 1 << 20
+
+
+def plan_to_budget(
+    args: argparse.Namespace, model, optimizer, corpus: ByteCorpus, step: int
+) -> tuple[RecomputePlan, list[str]]:
+    """Plan ``model``'s recompute for ``args.memory_budget`` on microbatch 0 of ``step`` (as the
+    training step computes its loss, loss scaling included), apply it, and return the plan and
+    the lines to print. Collective: every rank calls it."""
+    tokens, labels = get_batch(corpus, args, step, 0)
+    mixed = isinstance(optimizer, MixedPrecisionOptimizer)
+    num_microbatches = max(1, args.global_batch_size // args.micro_batch_size)
+
+    def forward():
+        loss = model(tokens, labels).mean() / num_microbatches
+        return optimizer.scale_loss(loss) if mixed else loss
+
+    plan = plan_recompute(model, forward, args.memory_budget, optimizer)
+    plan.apply(model)
+    return plan, str(plan).splitlines()
+
+
+def measured_iteration(train_step, model, optimizer, plan: RecomputePlan) -> tuple[object, str]:
+    """Run ``train_step()`` under the allocator timeline; its result and a line with the
+    measured peak (model states before the step + the step's peak) beside the prediction."""
+    optimizer.zero_grad(set_to_none=True)  # as the step begins: the timeline sees no older frees
+    static = 0
+    if not plan.activations_only:
+        static = model_state_bytes(model, optimizer)
+    timeline = MemoryTimeline()
+    with timeline:
+        result = train_step()
+        timeline.mark("end")
+    peak = static + max(peak for _, _, peak in timeline.points)
+    scope = "activations" if plan.activations_only else "total"
+    line = (
+        f"memory ({scope}): predicted peak {plan.predicted_peak / _MiB:,.1f} MiB, measured "
+        f"{peak / _MiB:,.1f} MiB ({(peak - plan.predicted_peak) / plan.predicted_peak:+.1%}), "
+        f"budget {plan.budget / _MiB:,.1f} MiB"
+    )
+    return result, line

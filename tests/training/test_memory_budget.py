@@ -1,0 +1,76 @@
+"""The main job's --memory-budget (megatron_core/training/memory_plan.py): it plans, prints
+the plan, trains with it, and its measured peak of a planned iteration matches the prediction
+and fits the budget; bad budgets and combinations are refused before any process starts."""
+
+import contextlib
+import io
+import re
+
+import pytest
+from _train_args import argv_of, corpus_file
+
+from megatron_core.errors import MegatronCoreError
+from megatron_core.testing import run_distributed
+from megatron_core.training import parse_args, train, validate_args
+
+BASE = {
+    "data": corpus_file(),
+    "num-layers": 3,
+    "hidden-size": 64,
+    "num-attention-heads": 4,
+    "seq-length": 64,
+    "micro-batch-size": 4,
+    "train-iters": 3,
+    "log-interval": 1000,
+    "tensor-model-parallel-size": 2,
+}
+_MEMORY = re.compile(
+    r"memory \(total\): predicted peak ([\d,.]+) MiB, measured ([\d,.]+) MiB .*budget ([\d,.]+)"
+)
+
+
+def _printed(argv: list[str]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train(parse_args(argv))
+    return out.getvalue()
+
+
+def _numbers(text: str) -> tuple[float, float, float]:
+    match = _MEMORY.search(text)
+    assert match, text
+    return tuple(float(x.replace(",", "")) for x in match.groups())
+
+
+def test_memory_budget_plans_trains_and_measures_within_the_budget():
+    generous = run_distributed(_printed, 2, argv_of(BASE, memory_budget="1GiB"), timeout=300)[0]
+    assert "| 2 | none |" in generous  # everything fits: nothing recomputed
+    predicted, measured, _ = _numbers(generous)
+    assert abs(predicted - measured) <= 0.05 * measured
+    states = float(re.search(r"model states ([\d.,]+) MiB", generous).group(1))
+    budget = states + 0.7 * (predicted - states)  # MiB: below what no recompute needs
+    tight = run_distributed(
+        _printed, 2, argv_of(BASE, memory_budget=f"{budget:.3f}MiB"), timeout=300
+    )[0]
+    plan = re.findall(r"\| \d \| (\S+) \|", tight)
+    assert len(plan) == 3 and plan != ["none"] * 3, tight
+    predicted, measured, printed_budget = _numbers(tight)
+    assert measured <= printed_budget, tight
+    assert abs(predicted - measured) <= 0.05 * measured, tight
+    assert "done: iterations 1-3" in tight
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"memory_budget": "lots"}, r"memory budget 'lots' is not a size"),
+        ({"memory_budget": "1GiB", "recompute_granularity": "full"},
+         r"--memory-budget \(1GiB\) chooses the recompute itself: drop --recompute-granularity"),
+        ({"memory_budget": "1GiB", "pipeline_model_parallel_size": 2,
+          "tensor_model_parallel_size": 1, "num_layers": 4},
+         r"the planner plans one stage at PP = 1 only"),
+    ],
+)  # fmt: skip
+def test_bad_memory_budgets_are_refused_before_training(options, message):
+    with pytest.raises(MegatronCoreError, match=message):
+        validate_args(parse_args(argv_of(BASE, **options)), 2)
