@@ -165,7 +165,8 @@ def test_python_m_runner_installs_the_switch_before_the_script(tmp_path):
 @pytest.mark.requires_megatron_core
 def test_jit_fuser_compiles_at_first_call_not_at_import():
     # NOTE [ Without Transformer Engine ], rule 4: importing megatron-core applies torch.compile
-    # to no function; the first call of a jit_fuser function compiles it, once, with its options.
+    # to none of its jit_fuser functions (0.19 also calls torch.compile directly on one MoE
+    # routing function, which is not jit_fuser's); the first call of one compiles it, once.
     script = textwrap.dedent(
         """
         import torch
@@ -175,11 +176,12 @@ def test_jit_fuser_compiles_at_first_call_not_at_import():
         switch.install()
         from megatron.core.models.gpt import GPTModel
         from megatron.core.fusions import fused_bias_gelu
-        at_import = list(calls)
+        at_import = [name for name, _ in calls if name in vars(fused_bias_gelu)]
+        before = len(calls)
         x, bias = torch.randn(4), torch.randn(4)
         out = [fused_bias_gelu.bias_gelu(bias, x) for _ in range(2)]
         expected = torch.nn.functional.gelu(x + bias, approximate="tanh")
-        print(at_import, calls, all(torch.allclose(o, expected, atol=1e-6) for o in out))
+        print(at_import, calls[before:], all(torch.allclose(o, expected, atol=1e-6) for o in out))
         """
     )
     result = subprocess.run(

@@ -61,6 +61,10 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    error, naming the option and the range. The plan then uses the largest of every byte
    number and the slowest times, so every rank computes the same plan, and keeps a headroom
    below the budget: the ranks' largest difference plus 2% of the budget (:func:`headroom`).
+   With several ranks on the CPU (gloo's overlapped collectives, the sequence-parallel
+   all-gathers above all, free their buffers at times that vary between runs, by up to ~15% of
+   a small model's peak) every option is probed twice, the larger of each number is kept, and
+   the largest difference between the two probes joins the headroom.
 6. megatron-core. Its TransformerConfig expresses one recompute for all layers: none, selective
    with one ``recompute_modules`` set, or full with uniform / block and ``recompute_num_layers``
    (with ``distribute_saved_activations``). :attr:`RecomputePlan.megatron` is the fastest of
@@ -186,7 +190,7 @@ class StageMeasure:
     tail: int
     step_ms: float
     options: dict[str, OptionMeasure]
-    spread: int = 0  # the ranks' largest difference of a uniform plan's peak (rule 5)
+    spread: int = 0  # run-to-run and rank-to-rank differences of a uniform plan's peak (rule 5)
 
 
 def _option_numbers(points: dict, layers: int) -> list[int]:
@@ -242,17 +246,44 @@ def measure_stage(
     if options[0] != "none":
         raise MegatronCoreError(f"recompute planner: options must start with 'none', got {options}")
     time_step(model, ["none"] * layers, forward, 1)  # warm-up: lazy state, caches
-    probes, shapes, times = {}, {}, {option: [] for option in options}
-    for option in options:
-        probe = probe_step(model, [option] * layers, forward)
-        probes[option], shapes[option] = probe.points, probe.shape
-        _check_points(probes[option], layers, option)
+    # Several ranks on the CPU: gloo's overlapped collectives allocate and free their buffers
+    # at times that vary between runs; probe twice, keep the larger of each number, and the
+    # difference between the two goes into the headroom (rule 5).
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rounds = 2 if several and device.device_type() == "cpu" else 1
+    runs, shapes, times = [], {}, {option: [] for option in options}
+    for _ in range(rounds):
+        probes = {}
+        for option in options:
+            probe = probe_step(model, [option] * layers, forward)
+            probes[option], shapes[option] = probe.points, probe.shape
+            _check_points(probes[option], layers, option)
+        runs.append(_stage_numbers(model, optimizer, probes, options, layers))
     for round_ in range(repeats):  # round-robin, rotated: a slow spell hits every option alike
         for i in range(len(options)):
             option = options[(i + round_) % len(options)]
             times[option].append(time_step(model, [option] * layers, forward, 1))
     times = {option: sorted(t)[len(t) // 2] for option, t in times.items()}
     block.set_layer_recompute(None)
+    numbers = [max(values) for values in zip(*runs)]
+    run_peaks = [
+        [predict_peak(_stage(layers, options, r, [0.0] * len(options)), [o] * layers)
+         for o in options]
+        for r in runs
+    ]  # fmt: skip
+    variation = max(max(p) - min(p) for p in zip(*run_peaks))
+    local = _stage(layers, options, numbers, [0.0] * len(options))
+    peaks = [predict_peak(local, [o] * layers) for o in options]
+    numbers, spread = _agree(numbers, peaks + [variation], options)
+    slowest = _slowest([times[o] for o in options])
+    floors = _flop_floors(options, config, shapes["none"], slowest[0] / layers)
+    extra = {o: max(floors[o], (slowest[i] - slowest[0]) / layers) for i, o in enumerate(options)}
+    extra = _monotone(extra)
+    return _stage(layers, options, numbers, [extra[o] for o in options], slowest[0], spread)
+
+
+def _stage_numbers(model, optimizer, probes: dict, options, layers: int) -> list[int]:
+    """The byte numbers of one round of probes (rule 2), in StageMeasure's order."""
     none = probes["none"]
     kept = _option_numbers(none, layers)[0]
     last = none[f"f{layers - 1}"][0]
@@ -265,14 +296,7 @@ def measure_stage(
     ]
     for option in options:
         numbers += _option_numbers(probes[option], layers)
-    local = _stage(layers, options, numbers, [0.0] * len(options))
-    peaks = [predict_peak(local, [o] * layers) for o in options]
-    numbers, spread = _agree(numbers, peaks, options)
-    slowest = _slowest([times[o] for o in options])
-    floors = _flop_floors(options, config, shapes["none"], slowest[0] / layers)
-    extra = {o: max(floors[o], (slowest[i] - slowest[0]) / layers) for i, o in enumerate(options)}
-    extra = _monotone(extra)
-    return _stage(layers, options, numbers, [extra[o] for o in options], slowest[0], spread)
+    return numbers
 
 
 def _stage(layers, options, numbers, extra, step_ms=0.0, spread=0) -> StageMeasure:
@@ -329,14 +353,16 @@ def _monotone(extra: dict[str, float]) -> dict[str, float]:
 
 def _agree(numbers: list[int], peaks: list[int], options: Sequence[str]) -> tuple[list, int]:
     """Rule 5: every rank's predicted peak of each option on all layers within 25% of the
-    others'; then the largest of each number, on every rank, and the largest difference."""
+    others'; then the largest of each number, on every rank, and the headroom's spread: the
+    largest run-to-run variation (``peaks``' last entry) plus the ranks' largest difference."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return numbers, 0
+        return numbers, int(peaks[len(options)])
     where = device.current_device()
     high = torch.tensor(peaks + numbers, dtype=torch.float64, device=where)
     low = high.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    variation = int(high[len(options)].item())  # the largest run-to-run variation of a rank
     spread = 0
     for option, hi, lo in zip(options, high.tolist(), low.tolist()):
         if hi - lo > 0.25 * hi:
@@ -346,7 +372,7 @@ def _agree(numbers: list[int], peaks: list[int], options: Sequence[str]) -> tupl
                 "layout must run the same step)"
             )
         spread = max(spread, int(hi - lo))
-    return [int(x) for x in high.tolist()[len(peaks) :]], spread
+    return [int(x) for x in high.tolist()[len(peaks) :]], variation + spread
 
 
 def _slowest(times: list[float]) -> list[float]:

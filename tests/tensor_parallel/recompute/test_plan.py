@@ -100,10 +100,15 @@ def test_predicted_peak_matches_the_allocator_and_fits_the_budget(
         assert all(r[0][i][:3] == (limit, choices, predicted) for r in results)
         measured = max(r[0][i][3] for r in results)
         assert measured <= limit, (choices, measured, limit)
-        # Under sequence parallelism the layers' all-gathers overlap compute, and when their
-        # buffers are freed varies from run to run (by a few %): 10% there, else 5%.
-        tolerance = 0.10 if sp else 0.05
-        assert abs(predicted - measured) <= tolerance * measured, (choices, predicted, measured)
+        # With several ranks on the CPU, gloo's overlapped collectives (sequence parallelism's
+        # all-gathers above all) allocate and free buffers at times that vary from run to run
+        # and rank to rank: the planner probes twice and keeps the larger numbers (rule 5), so
+        # its prediction may be well above one run's peak. There: no more than 5% below, 25%
+        # above; on one rank within 5%. The budget holds everywhere.
+        over = 0.25 if world > 1 else 0.05
+        assert -0.05 * measured <= predicted - measured <= over * measured, (
+            choices, predicted, measured,
+        )  # fmt: skip
 
 
 def _plan_with_budget(budget, activations_only=True):
