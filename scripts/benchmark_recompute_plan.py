@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_core import device, parallel_state  # noqa: E402
-from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
+from check_recompute_plan_cuda import one_rank_gpt  # noqa: E402
+
+from megatron_core import device  # noqa: E402
 from megatron_core.tensor_parallel.recompute.plan import plan_recompute  # noqa: E402
 from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline  # noqa: E402
-from megatron_core.transformer import GPTModel, TransformerConfig  # noqa: E402
 
 _MiB = 1 << 20
 _MODULES = (
@@ -116,24 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budgets", type=int, default=6)
     args = parser.parse_args(argv)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29562")
-    device.set_device_type(args.device)
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
-    if args.device == "cuda":
-        torch.cuda.set_device(0)
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(3)
-    config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden,
-                               num_attention_heads=8, hidden_dropout=0.1, attention_dropout=0.1,
-                               use_cpu_initialization=args.device == "cpu")  # fmt: skip
-    vocab = 4096
-    model = GPTModel(config, vocab, args.seq).to(device.current_device())
-    gen = torch.Generator().manual_seed(0)
-    tokens, labels = (torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
-                      .to(device.current_device()) for _ in range(2))  # fmt: skip
+    model, tokens, labels, own_group = one_rank_gpt(args, heads=8, vocab=4096)
 
     def forward():
         return model(tokens, labels).mean()

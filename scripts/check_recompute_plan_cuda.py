@@ -37,6 +37,32 @@ from megatron_core.transformer import GPTModel, TransformerConfig  # noqa: E402
 _MiB = 1 << 20
 
 
+def one_rank_gpt(args, heads: int, vocab: int):
+    """World size 1 (NCCL on ``args.device == "cuda"``, else gloo; a harness's group if one is
+    up), parallel_state, and our GPT (``args.layers``, ``args.hidden``, ``heads``, ``vocab``,
+    sequence ``args.seq``, dropout 0.1) on the device with a fixed [``args.batch``,
+    ``args.seq``] batch: (model, tokens, labels, whether this call made the group)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    device.set_device_type(args.device)
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(3)
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=heads,
+        hidden_dropout=0.1, attention_dropout=0.1, use_cpu_initialization=args.device == "cpu",
+    )  # fmt: skip
+    model = GPTModel(config, vocab, args.seq).to(device.current_device())
+    gen = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
+                      .to(device.current_device()) for _ in range(2))  # fmt: skip
+    return model, tokens, labels, own_group
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -45,27 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args(argv)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    device.set_device_type(args.device)
-    own_group = not dist.is_initialized()  # else a test harness's rank
-    if own_group:
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
-    if args.device == "cuda":
-        torch.cuda.set_device(0)
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(3)
-    config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=16,
-        hidden_dropout=0.1, attention_dropout=0.1, use_cpu_initialization=False,
-    )  # fmt: skip
-    vocab = 32768
-    model = GPTModel(config, vocab, args.seq).to(device.current_device())
+    model, tokens, labels, own_group = one_rank_gpt(args, heads=16, vocab=32768)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
-    labels = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
-    tokens, labels = tokens.to(device.current_device()), labels.to(device.current_device())
     kind = "cuda" if args.device == "cuda" else "cpu"
 
     def forward():
