@@ -218,8 +218,8 @@ class TransformerBlock(torch.nn.Module):
         "full" (the layer is one checkpoint: only its input is kept), "full_distributed" (the
         same, the input split over the TP group: not with sequence parallelism), or
         "selective:" followed by "+"-joined module names (e.g. "selective:core_attn+layernorm").
-        Replaces the config's recompute for this chunk; ``None`` goes back to the config's
-        (selective choices made before stay on their layers)."""
+        Replaces the config's recompute for this chunk; ``None`` goes back to the config's.
+        Raises MegatronCoreError (changing nothing) for a wrong count or an unknown choice."""
         if choices is None:
             self.layer_recompute = None
             selective = self.config.recompute_granularity == "selective"
@@ -233,25 +233,27 @@ class TransformerBlock(torch.nn.Module):
                 f"TransformerBlock.set_layer_recompute: {len(choices)} choices for "
                 f"{len(self.layers)} layers"
             )
-        full = []
-        for layer, choice in zip(self.layers, choices):
+        parsed = []
+        for choice in choices:
             kind, _, modules = str(choice).partition(":")
             if kind == "full_distributed" and self.config.sequence_parallel:
                 raise MegatronCoreError(
                     "TransformerBlock.set_layer_recompute: 'full_distributed' with sequence "
                     "parallelism (the checkpoint input is already split)"
                 )
-            if kind in ("none", "full", "full_distributed") and not modules:
-                layer.set_selective_recompute(())
-            elif kind == "selective" and modules:
-                layer.set_selective_recompute(modules.split("+"))
-            else:
+            known = {"core_attn", "mlp", "layernorm", "activation"}
+            whole = kind in ("none", "full", "full_distributed") and not modules
+            part = kind == "selective" and modules and set(modules.split("+")) <= known
+            if not (whole or part):
                 raise MegatronCoreError(
                     f"TransformerBlock.set_layer_recompute: choice {choice!r} is not 'none', "
-                    "'full', 'full_distributed' or 'selective:<module>+...'"
+                    "'full', 'full_distributed' or 'selective:<module>+...' (modules: "
+                    f"{sorted(known)})"
                 )
-            full.append(kind)
-        self.layer_recompute = full
+            parsed.append((kind, modules.split("+") if modules else ()))
+        for layer, (_, modules) in zip(self.layers, parsed):
+            layer.set_selective_recompute(modules)
+        self.layer_recompute = [kind for kind, _ in parsed]
 
     def _forward_planned(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The layers under :meth:`set_layer_recompute`'s choices, with the probe's marks."""

@@ -211,3 +211,27 @@ def test_layouts_the_planner_cannot_plan_are_refused_on_every_rank(kind, world, 
         assert error is not None
         assert re.search(message, error), error
 
+
+
+def _bad_choice(choices):
+    model, _, _ = _model()
+    block = model.decoder
+    try:
+        block.set_layer_recompute(choices)
+    except MegatronCoreError as error:
+        return str(error), block.layer_recompute
+    return None, block.layer_recompute
+
+
+@pytest.mark.parametrize(
+    "choices, message",
+    [
+        (["none", "none"], r"2 choices for 3 layers"),
+        (["none", "full", "selective:attn"], r"choice 'selective:attn' is not 'none'"),
+        (["full", "everything", "none"], r"choice 'everything' is not 'none'"),
+    ],
+)
+def test_bad_layer_choices_are_refused_and_change_nothing(choices, message):
+    ((error, state),) = run_distributed(_bad_choice, 1, choices)
+    assert error is not None and re.search(message, error), error
+    assert state is None
