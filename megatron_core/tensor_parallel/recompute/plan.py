@@ -63,8 +63,8 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    below the budget: the ranks' largest difference plus 2% of the budget (:func:`headroom`).
    With several ranks on the CPU (gloo's overlapped collectives, the sequence-parallel
    all-gathers above all, free their buffers at times that vary between runs, by up to ~15% of
-   a small model's peak) every option is probed twice, the larger of each number is kept, and
-   the largest difference between the two probes joins the headroom.
+   a small model's peak) every option is probed three times, the largest of each number is
+   kept, and the largest difference between the rounds joins the headroom.
 6. megatron-core. Its TransformerConfig expresses one recompute for all layers: none, selective
    with one ``recompute_modules`` set, or full with uniform / block and ``recompute_num_layers``
    (with ``distribute_saved_activations``). :attr:`RecomputePlan.megatron` is the fastest of
@@ -247,10 +247,10 @@ def measure_stage(
         raise MegatronCoreError(f"recompute planner: options must start with 'none', got {options}")
     time_step(model, ["none"] * layers, forward, 1)  # warm-up: lazy state, caches
     # Several ranks on the CPU: gloo's overlapped collectives allocate and free their buffers
-    # at times that vary between runs; probe twice, keep the larger of each number, and the
-    # difference between the two goes into the headroom (rule 5).
+    # at times that vary between runs; probe three times, keep the largest of each number, and
+    # the largest difference between the rounds goes into the headroom (rule 5).
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    rounds = 2 if several and device.device_type() == "cpu" else 1
+    rounds = 3 if several and device.device_type() == "cpu" else 1
     runs, shapes, times = [], {}, {option: [] for option in options}
     for _ in range(rounds):
         probes = {}
