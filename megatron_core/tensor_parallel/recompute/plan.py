@@ -60,7 +60,8 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    window's agreements run on some ranks' collectives only): otherwise every rank raises the same
    error, naming the option and the range. The plan then uses the largest of every byte
    number and the slowest times, so every rank computes the same plan, and keeps a headroom
-   below the budget: the ranks' largest difference plus 2% of the budget (:func:`headroom`).
+   below the budget: the ranks' (and runs') largest difference plus 2% of the budget, or 0.1%
+   where the probes showed no difference (:func:`headroom`).
    With several ranks on the CPU (gloo's overlapped collectives, the sequence-parallel
    all-gathers above all, free their buffers at times that vary between runs, by up to ~15% of
    a small model's peak) every option is probed three times, the largest of each number is
@@ -385,9 +386,10 @@ def _slowest(times: list[float]) -> list[float]:
 
 
 def headroom(stage: StageMeasure, budget: int) -> int:
-    """Bytes the search keeps free below the budget (rule 5): the ranks' spread plus 2% of
-    the budget, for what one rank's numbers cannot show of another's."""
-    return stage.spread + budget // 50
+    """Bytes the search keeps free below the budget (rule 5): the ranks' and runs' spread plus
+    2% of the budget where there was a spread (what one run's numbers cannot show of another's),
+    else 0.1% (one rank whose probes repeat exactly: a GPU, or one CPU process)."""
+    return stage.spread + budget // (50 if stage.spread else 1000)
 
 
 def predict_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
