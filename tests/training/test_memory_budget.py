@@ -36,6 +36,14 @@ def _printed(argv: list[str]) -> str:
     return out.getvalue()
 
 
+def _refusal(argv: list[str]) -> str:
+    try:
+        train(parse_args(argv))
+    except MegatronCoreError as error:
+        return str(error)
+    return "no error"
+
+
 def _numbers(text: str) -> tuple[float, float, float]:
     match = _MEMORY.search(text)
     assert match, text
@@ -46,17 +54,21 @@ def test_memory_budget_plans_trains_and_measures_within_the_budget():
     generous = run_distributed(_printed, 2, argv_of(BASE, memory_budget="1GiB"), timeout=300)[0]
     assert "| 2 | none |" in generous  # everything fits: nothing recomputed
     predicted, measured, _ = _numbers(generous)
-    assert abs(predicted - measured) <= 0.05 * measured
-    states = float(re.search(r"model states ([\d.,]+) MiB", generous).group(1))
-    budget = states + 0.7 * (predicted - states)  # MiB: below what no recompute needs
+    # two CPU ranks: the planner's test bound (test_plan.py): 10% below to 25% above
+    assert -0.10 * measured <= predicted - measured <= 0.25 * measured, generous
+    # The smallest budget that fits, from the planner's own refusal of a budget far too small.
+    refused = run_distributed(_refusal, 2, argv_of(BASE, memory_budget="1MiB"), timeout=300)[0]
+    smallest = int(re.search(r"the smallest that fits is ([\d,]+) bytes", refused).group(1)
+                   .replace(",", ""))  # fmt: skip
+    budget = (smallest + predicted * 2**20) / 2  # between it and what no recompute needs
     tight = run_distributed(
-        _printed, 2, argv_of(BASE, memory_budget=f"{budget:.3f}MiB"), timeout=300
+        _printed, 2, argv_of(BASE, memory_budget=str(int(budget))), timeout=300
     )[0]
     plan = re.findall(r"\| \d \| (\S+) \|", tight)
     assert len(plan) == 3 and plan != ["none"] * 3, tight
     predicted, measured, printed_budget = _numbers(tight)
     assert measured <= printed_budget, tight
-    assert abs(predicted - measured) <= 0.05 * measured, tight
+    assert -0.10 * measured <= predicted - measured <= 0.25 * measured, tight
     assert "done: iterations 1-3" in tight
 
 
