@@ -59,6 +59,7 @@ __all__ = [
     "memory_allocated",
     "max_memory_allocated",
     "reset_peak_memory_stats",
+    "total_memory",
     "nvtx_range_push",
     "nvtx_range_pop",
 ]
@@ -198,6 +199,13 @@ def memory_allocated() -> int:
 def max_memory_allocated() -> int:
     """Peak bytes allocated on the device since the last reset; 0 on cpu."""
     return torch.cuda.max_memory_allocated() if device_type() == "cuda" else 0
+
+
+def total_memory() -> int:
+    """Bytes of memory of the current device; on cpu, the machine's physical memory."""
+    if device_type() == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def reset_peak_memory_stats() -> None:

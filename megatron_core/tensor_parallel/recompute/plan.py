@@ -78,7 +78,6 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from collections.abc import Callable, Sequence
 
@@ -146,7 +145,7 @@ def parse_memory_budget(budget, total_bytes: int | None = None) -> int:
             share = float(percent.group(1))
             if not 0 < share <= 100:
                 raise MegatronCoreError(f"memory budget {budget!r}: a share must be in (0, 100]%")
-            value = int(share / 100 * (total_bytes or _device_total_bytes()))
+            value = int(share / 100 * (total_bytes or device.total_memory()))
         elif sized and sized.group(2) in _UNITS:
             value = int(float(sized.group(1)) * _UNITS[sized.group(2)])
         else:
@@ -157,12 +156,6 @@ def parse_memory_budget(budget, total_bytes: int | None = None) -> int:
     if value <= 0:
         raise MegatronCoreError(f"memory budget {budget!r} must be above 0 bytes")
     return value
-
-
-def _device_total_bytes() -> int:
-    if device.device_type() == "cuda":
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclasses.dataclass(frozen=True)

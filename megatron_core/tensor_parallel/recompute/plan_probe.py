@@ -38,7 +38,7 @@ class MemoryTimeline:
     After the block, :attr:`points` holds for every :meth:`mark`, in order,
     ``(name, live, peak)``: the bytes allocated at the mark and the most allocated since the
     previous mark (or the block's start), both counted from what was allocated when the block
-    began. On CUDA they are ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` read at
+    began. On CUDA they are ``device.memory_allocated`` / ``max_memory_allocated`` read at
     each mark after a synchronize (the peak statistic is reset at each mark). On the CPU, which
     keeps no such counter, torch's profiler records every allocation and free with its time
     (``profile_memory=True``); each mark is a ``record_function`` range, and the allocations are
@@ -56,9 +56,9 @@ class MemoryTimeline:
 
     def __enter__(self) -> MemoryTimeline:
         if self.cuda:
-            torch.cuda.synchronize()
-            self._base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            device.synchronize()
+            self._base = device.memory_allocated()
+            device.reset_peak_memory_stats()
         else:
             self._profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
@@ -69,10 +69,10 @@ class MemoryTimeline:
     def mark(self, name: str) -> None:
         """Record the allocator's state now under ``name``."""
         if self.cuda:
-            torch.cuda.synchronize()
-            live = torch.cuda.memory_allocated() - self._base
-            peak = torch.cuda.max_memory_allocated() - self._base
-            torch.cuda.reset_peak_memory_stats()
+            device.synchronize()
+            live = device.memory_allocated() - self._base
+            peak = device.max_memory_allocated() - self._base
+            device.reset_peak_memory_stats()
             self.points.append((name, live, peak))
         else:
             with torch.profiler.record_function(_MARK + name):
