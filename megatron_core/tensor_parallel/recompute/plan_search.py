@@ -1,0 +1,178 @@
+"""The recompute planner's prediction and search (NOTE [ Recompute planner ], rules 2-5, in
+plan.py): the measurements they read (OptionMeasure, StageMeasure), an option's time floor and
+monotone costs, a plan's predicted peak, the dynamic programme over the layers, the smallest
+budget that fits, and the headroom kept below a budget."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+__all__ = [
+    "OptionMeasure",
+    "StageMeasure",
+    "headroom",
+    "predict_peak",
+    "search_plan",
+    "smallest_fit",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionMeasure:
+    """What one option costs a layer (NOTE [ Recompute planner ], rule 2): kept bytes, forward
+    / backward peaks above the allocation as the layer began, what the layer's forward and
+    backward leave allocated, and milliseconds per step over "none"."""
+
+    kept: int
+    forward: int
+    backward: int
+    left: int
+    extra_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMeasure:
+    """A stage's measurements (NOTE [ Recompute planner ], rule 2); bytes above the model
+    states, ``static`` the model states themselves."""
+
+    layers: int
+    static: int
+    pre: int
+    head: int
+    head_left: int
+    tail: int
+    step_ms: float
+    options: dict[str, OptionMeasure]
+    spread: int = 0  # run-to-run and rank-to-rank differences of a uniform plan's peak (rule 5)
+
+
+def headroom(stage: StageMeasure, budget: int) -> int:
+    """Bytes the search keeps free below the budget (rule 5): the ranks' and runs' spread plus
+    2% of the budget where there was a spread (what one run's numbers cannot show of another's),
+    else 0.1% (one rank whose probes repeat exactly: a GPU, or one CPU process)."""
+    return stage.spread + budget // (50 if stage.spread else 1000)
+
+
+def predict_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
+    """The step's predicted peak bytes above the model states under per-layer ``choices``
+    (NOTE [ Recompute planner ], rule 3)."""
+    peak, kept = 0, 0
+    for choice in choices:
+        option = stage.options[choice]
+        peak = max(peak, stage.pre + kept + option.forward)
+        kept += option.kept
+    peak = max(peak, stage.pre + kept + stage.head)
+    live = stage.pre + kept + stage.head_left
+    for choice in reversed(choices):
+        option = stage.options[choice]
+        peak = max(peak, live + option.backward)
+        live += option.left - option.kept
+    return max(peak, live + stage.tail)
+
+
+def _overhead(stage: StageMeasure, choices: Sequence[str]) -> float:
+    return sum(stage.options[c].extra_ms for c in choices)
+
+
+def search_plan(stage: StageMeasure, limit: int) -> tuple[list[str], int, float] | None:
+    """The per-layer choices with the least predicted overhead whose predicted peak above the
+    model states is at most ``limit`` bytes, as (choices, peak, overhead ms); None if none fits
+    (NOTE [ Recompute planner ], rule 4)."""
+    layers, pre = stage.layers, stage.pre
+    most_left = max(o.left for o in stage.options.values())
+    # state: kept bytes so far -> (overhead, choices)
+    states: dict[int, tuple[float, tuple[str, ...]]] = {0: (0.0, ())}
+    for j in range(layers):
+        after_j = (layers - 1 - j) * most_left  # the bound on U_j (rule 4)
+        grown: dict[int, tuple[float, tuple[str, ...]]] = {}
+        for kept, (cost, choices) in states.items():
+            for name, option in stage.options.items():
+                total = kept + option.kept
+                forward = pre + kept + option.forward
+                backward = pre + stage.head_left + total + after_j + option.backward
+                if forward > limit or backward > limit:
+                    continue
+                if total not in grown or cost + option.extra_ms < grown[total][0]:
+                    grown[total] = (cost + option.extra_ms, choices + (name,))
+        states = _pareto(grown)
+    best = None
+    for kept, (cost, choices) in states.items():
+        bounded_tail = pre + stage.head_left + layers * most_left + stage.tail
+        if max(pre + kept + stage.head, bounded_tail) > limit:
+            continue
+        if best is None or cost < best[2]:
+            best = (list(choices), predict_peak(stage, choices), cost)
+    return best
+
+
+def _pareto(states: dict) -> dict:
+    """Drop every state with more kept bytes and no less overhead than another."""
+    kept_front, best_cost = {}, float("inf")
+    for kept in sorted(states):
+        if states[kept][0] < best_cost:
+            kept_front[kept] = states[kept]
+            best_cost = states[kept][0]
+    return kept_front
+
+
+def smallest_fit(stage: StageMeasure) -> tuple[int, list[str]]:
+    """The smallest limit (bytes above the model states, to 0.1%) at which :func:`search_plan`
+    finds a plan, and that plan's choices (a bisection over the limit)."""
+    low = 0
+    high = stage.pre + stage.head + stage.head_left + stage.tail + stage.layers * max(
+        o.kept + o.forward + o.backward + abs(o.left) for o in stage.options.values()
+    )
+    while search_plan(stage, high) is None:
+        low, high = high, 2 * high
+    while high - low > max(1, high // 1000):
+        middle = (low + high) // 2
+        if search_plan(stage, middle) is None:
+            low = middle
+        else:
+            high = middle
+    return high, search_plan(stage, high)[0]
+
+
+def _flop_floors(options, config, shape, layer_ms: float) -> dict[str, float]:
+    """The FLOP-share fallback of an option's time (rule 2): the share of a layer's forward
+    FLOPs it runs again, times a third of a layer's step (forward ~ 1/3 of forward + backward).
+    Per token: linears 2 (4h^2 + 2 h f) / tp, attention 4 s h / tp (s: the keys attended)."""
+    h, f = config.hidden_size, config.ffn_hidden_size
+    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+    s = shape[0] * (tp if config.sequence_parallel else 1) * cp if shape else 1
+    attention, qkv_proj, mlp = 4 * s * h, 8 * h * h, 4 * h * f
+    layer = attention + qkv_proj + mlp
+    elementwise = 0.01 * layer  # norms and gelu: memory-bound, not FLOP-bound; a small share
+    share = {"core_attn": attention, "mlp": mlp, "activation": elementwise,
+             "layernorm": elementwise}  # fmt: skip
+    floors = {}
+    for option in options:
+        kind, _, modules = option.partition(":")
+        if kind == "none":
+            cost = 0.0
+        elif kind.startswith("full"):
+            cost = float(layer)
+        else:
+            cost = float(sum(share[m] for m in modules.split("+")))
+        floors[option] = cost / layer * layer_ms / 3
+    return floors
+
+
+def _monotone(extra: dict[str, float]) -> dict[str, float]:
+    """An option that recomputes everything another does costs at least as much (timing noise
+    must not make full recompute look cheaper than part of it)."""
+
+    def parts(option):
+        kind, _, modules = option.partition(":")
+        if kind.startswith("full"):
+            return {"all"}
+        return set(modules.split("+")) if modules else set()
+
+    result = dict(extra)
+    for option in extra:
+        for other in extra:
+            mine, theirs = parts(option), parts(other)
+            if option != other and (mine == {"all"} or theirs < mine):
+                result[option] = max(result[option], extra[other])
+    return result
