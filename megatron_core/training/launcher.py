@@ -38,7 +38,9 @@ by torchrun, or by this launcher, it is one rank.
 from __future__ import annotations
 
 import _thread
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,8 +76,28 @@ def _say(prog: str, text: str) -> None:
     print(f"{prog}: {text}", file=sys.stderr, flush=True)
 
 
+_TEMPORARY_DIRS: list[str] = []
+
+
+def temporary_directory(prefix: str) -> str:
+    """A new directory under the system's temporary folder, removed when the process exits
+    (also through :func:`_exit`, which skips ``atexit``): a one-process rendezvous store's
+    file lives there until then."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    if not _TEMPORARY_DIRS:
+        atexit.register(_remove_temporary_dirs)
+    _TEMPORARY_DIRS.append(path)
+    return path
+
+
+def _remove_temporary_dirs() -> None:
+    while _TEMPORARY_DIRS:
+        shutil.rmtree(_TEMPORARY_DIRS.pop(), ignore_errors=True)
+
+
 def _exit(status: int) -> None:
     """See NOTE [ Clean exits ], rule 4."""
+    _remove_temporary_dirs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
@@ -247,10 +269,7 @@ def _launch_ranks(prog: str, script: str, argv: Sequence[str], nproc: int) -> in
         status = 128 - status
     if received:
         _say(prog, f"interrupted ({signal.Signals(received[0]).name}); stopped")
-    try:
-        os.rmdir(rendezvous_dir) if not os.listdir(rendezvous_dir) else None
-    except OSError:
-        pass
+    shutil.rmtree(rendezvous_dir, ignore_errors=True)  # the store's file outlives the ranks
     return status
 
 

@@ -13,7 +13,6 @@ import functools
 import math
 import os
 import random
-import tempfile
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,7 +30,7 @@ from megatron_core.training import memory_plan
 from megatron_core.training.arguments import validate_args
 from megatron_core.training.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from megatron_core.training.data import VOCAB_SIZE, ByteCorpus, get_batch
-from megatron_core.training.launcher import RENDEZVOUS_ENV
+from megatron_core.training.launcher import RENDEZVOUS_ENV, temporary_directory
 from megatron_core.training.mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
 from megatron_core.training.pipeline_step import (
     build_pipeline_model,
@@ -110,7 +109,7 @@ def initialize_distributed(device_type: str, timeout_minutes: float | None = Non
     if "RANK" in os.environ:
         dist.init_process_group(backend, **options)
         return
-    rendezvous = os.path.join(tempfile.mkdtemp(prefix="train_gpt_"), "rendezvous")
+    rendezvous = os.path.join(temporary_directory("train_gpt_"), "rendezvous")
     dist.init_process_group(
         backend, init_method=f"file://{rendezvous}", rank=0, world_size=1, **options
     )

@@ -20,11 +20,11 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 ENV.pop("RANK", None)
 
 
-def _run(args, cwd, timeout=180):
+def _run(args, cwd, timeout=180, env=None):
     return subprocess.run(
         [sys.executable, SCRIPT, *args],
         cwd=cwd,
-        env=ENV,
+        env=ENV if env is None else env,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -56,15 +56,24 @@ def _alive(pids) -> list[int]:
 
 
 def test_launcher_trains_on_two_ranks_and_python_alone_trains_on_one(tmp_path):
+    # Both runs leave nothing in the temporary folder: the rendezvous store's directory goes
+    # with the process (the process ends through os._exit, which skips atexit).
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**ENV, "TMPDIR": str(scratch)}
     done = _run(
-        ["--nproc-per-node", "2", "--train-iters", "4", "--log-interval", "2", *TINY], tmp_path
+        ["--nproc-per-node", "2", "--train-iters", "4", "--log-interval", "2", *TINY],
+        tmp_path,
+        env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 ranks on cpu (gloo): tp=2" in done.stdout  # the default TP fits the world
     assert "iteration      4/4" in done.stdout and done.stderr == "", done.stderr
-    done = _run(["--train-iters", "2", *TINY], tmp_path)
+    assert [p.name for p in scratch.iterdir() if "launch" in p.name] == []
+    done = _run(["--train-iters", "2", *TINY], tmp_path, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 ranks on cpu (gloo): tp=1" in done.stdout
+    assert [p.name for p in scratch.iterdir() if "train_gpt" in p.name] == []
 
 
 @pytest.mark.parametrize(
