@@ -11,7 +11,9 @@ suite's ``megatron.core.parallel_state`` etc. are this package's. When torch has
 turns on the switch's CPU mode (cpu_mode.py, NOTE [ CUDA on the CPU ]): the suite's CUDA-only
 set-up runs on CPU ranks (a process group requested with "nccl" is gloo, ``torch.cuda.set_device``
 does nothing, ``torch.cuda.device_count()`` is the number of local ranks, ...). The CPU mode is
-turned off at the end of the session.
+turned off at the end of the session. Under torchrun the ranks wait for each other after every
+test, so a test that fails on one rank alone ends the session instead of hanging it
+(NOTE [ Ranks out of step in a test session ] in ``_rank_steps.py``).
 
 # NOTE [ megatron-core's conftest without Transformer Engine ]
 1. megatron-core's own unit-test conftest asks ``megatron.core.utils.is_te_min_version("1.3")``
@@ -30,9 +32,23 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_core.megatron._rank_steps import DEFAULT_TIMEOUT_S, RankSteps
 
 SWITCH_FLAG = "--megatron-core-switch"
-_STATE: dict = {"installed": False, "te_check": None}
+STEP_TIMEOUT_FLAG = "--megatron-core-step-timeout"
+
+
+@dataclass
+class _Session:
+    installed: bool = False  # this plugin installed the switch
+    te_check: tuple[Any, Any] | None = None  # (megatron.core.utils, its own is_te_min_version)
+    steps: RankSteps | None = None  # NOTE [ Ranks out of step in a test session ]
+
+
+_STATE = _Session()
 
 
 def pytest_addoption(parser) -> None:
@@ -44,6 +60,15 @@ def pytest_addoption(parser) -> None:
         help="serve megatron.core's parallel_state / tensor_parallel / pipeline_parallel / "
         "configs / finalize_model_grads from megatron_core, on gloo CPU ranks without CUDA "
         "(also: MEGATRON_CORE_SWITCH=1)",
+    )
+    group.addoption(
+        STEP_TIMEOUT_FLAG,
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="with the switch under torchrun: how long a rank that finished a test waits for "
+        "the others to finish it before it ends the session (ranks out of step; default "
+        f"{DEFAULT_TIMEOUT_S:g})",
     )
 
 
@@ -63,7 +88,7 @@ def pytest_load_initial_conftests(early_config, parser, args) -> None:
     from megatron_core import megatron
 
     megatron.install()  # sets MEGATRON_CORE_SWITCH=1 for the processes the suite starts
-    _STATE["installed"] = True
+    _STATE.installed = True
     _answer_te_version_check()
 
 
@@ -82,18 +107,40 @@ def _answer_te_version_check() -> None:
         return original(version, check_equality)
 
     megatron_utils.is_te_min_version = is_te_min_version
-    _STATE["te_check"] = (megatron_utils, original)
+    _STATE.te_check = (megatron_utils, original)
+
+
+def pytest_configure(config) -> None:
+    """With the switch installed under torchrun: the steps of NOTE [ Ranks out of step in a
+    test session ]."""
+    if _STATE.installed:
+        timeout_s = config.getoption("megatron_core_step_timeout")
+        if not timeout_s > 0:
+            raise ValueError(f"{STEP_TIMEOUT_FLAG} must be a positive number, got {timeout_s}")
+        _STATE.steps = RankSteps.from_environment(timeout_s)
+
+
+def pytest_runtest_logreport(report) -> None:
+    if _STATE.steps is not None and report.failed:
+        _STATE.steps.failures.append(f"{report.nodeid} ({report.when}):\n{report.longreprtext}")
+
+
+def pytest_runtest_logfinish(nodeid, location) -> None:
+    """After a test's teardown, every rank waits for the others to finish it (rule 2)."""
+    if _STATE.steps is not None:
+        _STATE.steps.after_test(nodeid)
 
 
 def pytest_unconfigure(config) -> None:
     """Put megatron-core's ``is_te_min_version`` back and turn the CPU mode off again (only
     where this plugin installed the switch)."""
-    if _STATE["te_check"] is not None:
-        module, original = _STATE["te_check"]
-        _STATE["te_check"] = None
+    _STATE.steps = None
+    if _STATE.te_check is not None:
+        module, original = _STATE.te_check
+        _STATE.te_check = None
         module.is_te_min_version = original
-    if _STATE["installed"]:
-        _STATE["installed"] = False
+    if _STATE.installed:
+        _STATE.installed = False
         from megatron_core.megatron import cpu_mode
 
         cpu_mode.disable()

@@ -113,3 +113,35 @@ def test_is_te_min_version_is_answered_and_put_back():
     # megatron-core 0.16.1's own raises without Transformer Engine; 0.19 answers False itself.
     assert raised == ("TypeError" if megatron_core_version().startswith("0.16") else None)
     assert answered == [False, False] and restored
+
+
+OUT_OF_STEP = """
+    import os
+    import torch.distributed as dist
+
+    def test_fails_on_one_rank_before_a_barrier():
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl")
+        assert int(os.environ["RANK"]) != 1, "rank 1 fails alone"
+        dist.barrier()  # rank 0 waits here for a barrier rank 1 never reaches
+
+    def test_after_it():
+        dist.barrier()
+"""
+
+
+def test_a_test_failing_on_one_rank_ends_the_session_instead_of_hanging_it(tmp_path):
+    # NOTE [ Ranks out of step in a test session ]: without the step after each test, rank 1
+    # would pair its next barrier with rank 0's and the session would wait in gloo forever.
+    (tmp_path / "test_out_of_step.py").write_text(textwrap.dedent(OUT_OF_STEP))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", "-m", "pytest", "--megatron-core-switch", "-q"]
+    command += ["--megatron-core-step-timeout", "5", "-p", "no:cacheprovider", str(tmp_path)]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env=_environment(), cwd=tmp_path
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-6000:]
+    assert "rank(s) [0] did not finish test 1 of the session within 5 s" in output, output[-6000:]
+    assert "rank 1 fails alone" in output  # the failure the session's summary would have shown
+    assert "test_after_it" not in output.replace("test_out_of_step.py::test_after_it", "")
