@@ -24,12 +24,24 @@ from __future__ import annotations
 
 import multiprocessing.spawn
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 __all__ = ["arm", "disarm"]
 
 _PREPARATION_KEY = "megatron_core_switch"  # ignored by multiprocessing's own prepare()
 _ORIGINAL = multiprocessing.spawn.get_preparation_data
-_STATE = {"armed": False, "set_env": None, "install": None, "cuda_on_cpu": None}
+
+
+@dataclass
+class _State:
+    armed: bool = False  # children started now call install(cuda_on_cpu) first
+    set_env: str | None = None  # the variable arm() set (disarm() removes it)
+    install: Callable[[bool | None], object] | None = None  # the switch's install
+    cuda_on_cpu: bool | None = None
+
+
+_STATE = _State()
 
 
 class _InstallInChild:
@@ -46,8 +58,8 @@ class _InstallInChild:
 
 def _get_preparation_data(name):
     data = _ORIGINAL(name)
-    if _STATE["armed"]:
-        data[_PREPARATION_KEY] = _InstallInChild(_STATE["install"], _STATE["cuda_on_cpu"])
+    if _STATE.armed:
+        data[_PREPARATION_KEY] = _InstallInChild(_STATE.install, _STATE.cuda_on_cpu)
     return data
 
 
@@ -55,20 +67,20 @@ def arm(env_name: str, install, cuda_on_cpu: bool | None = None) -> None:
     """Rules 1, 4 and 6: children started from now on call ``install(cuda_on_cpu)`` (the
     switch's own, a top-level function) before anything else."""
     multiprocessing.spawn.get_preparation_data = _get_preparation_data
-    _STATE["armed"] = True
-    _STATE["install"] = install
-    _STATE["cuda_on_cpu"] = cuda_on_cpu
+    _STATE.armed = True
+    _STATE.install = install
+    _STATE.cuda_on_cpu = cuda_on_cpu
     if os.environ.get(env_name) is None:
         os.environ[env_name] = "1"
-        _STATE["set_env"] = env_name
+        _STATE.set_env = env_name
 
 
 def disarm() -> None:
     """Rule 5."""
-    _STATE["armed"] = False
+    _STATE.armed = False
     if multiprocessing.spawn.get_preparation_data is _get_preparation_data:
         multiprocessing.spawn.get_preparation_data = _ORIGINAL
-    env_name = _STATE["set_env"]
+    env_name = _STATE.set_env
     if env_name is not None:
         os.environ.pop(env_name, None)
-        _STATE["set_env"] = None
+        _STATE.set_env = None

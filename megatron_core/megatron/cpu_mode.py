@@ -79,6 +79,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -218,14 +219,19 @@ ADAPTED: dict[str, dict[str, object]] = {
 _MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 
 _CPU = torch.device("cpu")
-_STATE: dict = {
-    "mode": None,
-    "originals": {},
-    "warned": False,
-    "finder": None,
-    "added": [],
-    "env_set": False,
-}
+
+
+@dataclass
+class _State:
+    mode: _CudaOnCpu | None = None  # the torch-function mode while the CPU mode is on
+    originals: dict = field(default_factory=dict)  # (owner, name) -> what was replaced
+    warned: bool = False  # the one-time warning was given
+    finder: PostImportFinder | None = None  # completes modules imported later (COMPLETED)
+    added: list = field(default_factory=list)  # (module, name) set where none was before
+    env_set: bool = False  # enable() set CUDA_DEVICE_MAX_CONNECTIONS itself
+
+
+_STATE = _State()
 
 
 def _names_cuda(where) -> bool:
@@ -522,8 +528,8 @@ def _complete(module) -> None:
     for name, value in COMPLETED.get(module.__name__, {}).items():
         if not hasattr(module, name):
             setattr(module, name, value)
-            _STATE["added"].append((module, name))
-    originals = _STATE["originals"]
+            _STATE.added.append((module, name))
+    originals = _STATE.originals
     for name, adapter in ADAPTED.get(module.__name__, {}).items():
         original = getattr(module, name, None)
         if callable(original) and (module, name) not in originals:
@@ -556,7 +562,7 @@ class CpuDeviceProperties:
 
 def is_active() -> bool:
     """Whether the CPU mode is on in this process."""
-    return _STATE["mode"] is not None
+    return _STATE.mode is not None
 
 
 def wanted(cuda_on_cpu: bool | None = None) -> bool:
@@ -585,25 +591,25 @@ def enable() -> None:
     """Turn the CPU mode on (idempotent): replace the names, push the mode, warn once."""
     if is_active():
         return
-    originals = _STATE["originals"]
+    originals = _STATE.originals
     for (module, name), stand_in in _stand_ins().items():
         originals[(module, name)] = getattr(module, name)
         setattr(module, name, stand_in)
     finder = PostImportFinder(lambda name: name in COMPLETED or name in ADAPTED, _complete)
     sys.meta_path.insert(0, finder)
-    _STATE["finder"] = finder
+    _STATE.finder = finder
     for name in (*COMPLETED, *ADAPTED):
         if name in sys.modules:
             _complete(sys.modules[name])
     if _MAX_CONNECTIONS not in os.environ:  # NOTE rule 9
         os.environ[_MAX_CONNECTIONS] = "1"
-        _STATE["env_set"] = True
+        _STATE.env_set = True
     tp_random.keep_device_stream_apart(True)  # NOTE rule 5
     mode = _CudaOnCpu()
     mode.__enter__()
-    _STATE["mode"] = mode
-    if not _STATE["warned"]:
-        _STATE["warned"] = True
+    _STATE.mode = mode
+    if not _STATE.warned:
+        _STATE.warned = True
         warnings.warn(
             "megatron switch: CPU mode is on: megatron-core's CUDA calls run on the CPU "
             "(devices naming cuda mean the CPU, nccl groups are gloo); turn it off with "
@@ -615,22 +621,22 @@ def enable() -> None:
 
 def disable() -> None:
     """Undo :func:`enable` (NOTE rule 7); nothing happens when the mode is off."""
-    originals = _STATE["originals"]
+    originals = _STATE.originals
     while originals:
         (module, name), original = originals.popitem()
         setattr(module, name, original)
-    finder, _STATE["finder"] = _STATE["finder"], None
+    finder, _STATE.finder = _STATE.finder, None
     if finder in sys.meta_path:
         sys.meta_path.remove(finder)
-    if _STATE["env_set"]:
-        _STATE["env_set"] = False
+    if _STATE.env_set:
+        _STATE.env_set = False
         os.environ.pop(_MAX_CONNECTIONS, None)
-    added = _STATE["added"]
+    added = _STATE.added
     while added:
         module, name = added.pop()
         if hasattr(module, name):
             delattr(module, name)
-    mode, _STATE["mode"] = _STATE["mode"], None
+    mode, _STATE.mode = _STATE.mode, None
     if mode is not None:
         _remove_from_stack(mode)
 

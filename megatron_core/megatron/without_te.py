@@ -159,7 +159,7 @@ ADAPTERS: dict[str, dict[str, object]] = {
     },
 }
 _ADAPTED: set[str] = set()  # modules already adapted (once per module object)
-_FINDER: list = [None]
+_FINDER: PostImportFinder | None = None
 
 
 def _adapt(module) -> None:
@@ -175,9 +175,10 @@ def _adapt(module) -> None:
 def arm() -> None:
     """Apply :data:`ADAPTERS` to megatron-core modules imported from now on and to those
     already imported (idempotent)."""
-    if _FINDER[0] is None:
-        _FINDER[0] = PostImportFinder(ADAPTERS.__contains__, _adapt)
-        sys.meta_path.insert(0, _FINDER[0])
+    global _FINDER
+    if _FINDER is None:
+        _FINDER = PostImportFinder(ADAPTERS.__contains__, _adapt)
+        sys.meta_path.insert(0, _FINDER)
     for name in ADAPTERS:
         if name in sys.modules:
             _adapt(sys.modules[name])
@@ -185,6 +186,7 @@ def arm() -> None:
 
 def disarm() -> None:
     """Stop adapting modules imported later (adapted ones keep their adapters)."""
-    if _FINDER[0] is not None and _FINDER[0] in sys.meta_path:
-        sys.meta_path.remove(_FINDER[0])
-    _FINDER[0] = None
+    global _FINDER
+    if _FINDER is not None and _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    _FINDER = None

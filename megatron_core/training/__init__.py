@@ -33,11 +33,11 @@ from megatron_core.training.loop import (
     learning_rate,
     model_config,
     padded_vocab_size,
-    schedule_changes,
     train,
     train_step,
 )
 from megatron_core.training.progress import Progress, format_bytes
+from megatron_core.training.resume import schedule_changes
 
 __all__ = [
     # arguments.py

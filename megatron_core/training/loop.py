@@ -28,7 +28,6 @@ from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_core.tensor_parallel.recompute.memory import count_saved_activations
 from megatron_core.training import memory_plan
 from megatron_core.training.arguments import validate_args
-from megatron_core.training.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from megatron_core.training.data import VOCAB_SIZE, ByteCorpus, get_batch
 from megatron_core.training.launcher import RENDEZVOUS_ENV, temporary_directory
 from megatron_core.training.mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
@@ -40,6 +39,7 @@ from megatron_core.training.pipeline_step import (
     virtual_pipeline_size,
 )
 from megatron_core.training.progress import Progress
+from megatron_core.training.resume import resume, save
 from megatron_core.transformer import GPTModel, TransformerConfig
 
 __all__ = [
@@ -50,7 +50,6 @@ __all__ = [
     "build_model_and_optimizer",
     "learning_rate",
     "train_step",
-    "schedule_changes",
     "check_locally",
     "train",
 ]
@@ -334,95 +333,6 @@ def _describe(args, corpus: ByteCorpus, config: TransformerConfig, num_parameter
     )
 
 
-# Flags whose change at --load alters training from the checkpoint on (warned), and flags that
-# must match for the checkpoint's tensors to mean anything (refused).
-_SCHEDULE_FLAGS = (
-    "train_iters",
-    "lr",
-    "min_lr",
-    "lr_warmup_iters",
-    "global_batch_size",
-    "seed",
-    "weight_decay",
-    "adam_beta1",
-    "adam_beta2",
-    "clip_grad",
-)
-_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _resolved_model_flags(values) -> dict:
-    """The model flags as the model is built from them: ``ffn_hidden_size`` None means 4·h."""
-    resolved = {k: values.get(k) for k in _MODEL_FLAGS}
-    if resolved["ffn_hidden_size"] is None and resolved["hidden_size"] is not None:
-        resolved["ffn_hidden_size"] = 4 * resolved["hidden_size"]
-    return resolved
-
-
-def _check_model_args(args):
-    def check(saved: dict) -> None:
-        ours, theirs = _resolved_model_flags(vars(args)), _resolved_model_flags(saved)
-        wrong = [
-            f"{_flag(k)} {theirs[k]} (this run: {ours[k]})"
-            for k in _MODEL_FLAGS
-            if k in saved and theirs[k] != ours[k]
-        ]
-        if wrong:
-            raise MegatronCoreError(f"the checkpoint was trained with {', '.join(wrong)}")
-
-    return check
-
-
-def schedule_changes(saved: dict, args: argparse.Namespace) -> list[str]:
-    """One line per schedule flag whose value differs from the checkpoint's run."""
-    return [
-        f"{_flag(k)} is {getattr(args, k)}, the checkpoint was trained with {saved[k]}: "
-        "training from the checkpoint on differs from the uninterrupted run"
-        for k in _SCHEDULE_FLAGS
-        if k in saved and saved[k] != getattr(args, k)
-    ]
-
-
-def _save(args, iteration, model, optimizer, progress) -> None:
-    plain = {
-        k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))
-    }
-    path = save_checkpoint(args.save, iteration, model, optimizer, plain)
-    progress.print(f"saved checkpoint {path}")
-
-
-def _resume(args, model, optimizer) -> tuple[int, list[str]]:
-    """Load --load; returns (iteration, lines to print). See NOTE [ Checkpoint safety ], rule 4
-    in checkpoint.py: at another layout the RNG streams restart from (seed + iteration)."""
-    loaded: LoadedCheckpoint = load_checkpoint(
-        args.load,
-        model,
-        optimizer,
-        check_args=_check_model_args(args),
-        iteration=getattr(args, "ckpt_step", None),
-    )
-    start, saved = loaded.iteration, loaded.layout
-    lines = [f"resumed from {args.load} at iteration {start}"]
-    if not loaded.rng_restored:
-        seed = args.seed + start
-        random.seed(seed)
-        model_parallel_cuda_manual_seed(seed)
-        if args.pipeline_model_parallel_size > 1:
-            reseed_stage(seed)
-        lines[0] += (
-            f" (saved at tp={saved['tp_size']} pp={saved['pp_size']} dp={saved['dp_size']} on "
-            f"{saved['device_type']}, resharded; RNG streams re-derived from --seed + {start})"
-        )
-    if dist.get_rank() == 0:
-        for line in schedule_changes(loaded.args, args):
-            warnings.warn(line, UserWarning, stacklevel=2)
-    return start, lines
-
-
 def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
     random.seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
@@ -432,7 +342,7 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
     num_parameters = _count_parameters(model)
     start, resume_lines = 0, []
     if args.load:
-        start, resume_lines = _resume(args, model, optimizer)
+        start, resume_lines = resume(args, model, optimizer)
     tokens_per_iteration = args.global_batch_size * args.seq_length
     progress = Progress(
         dist.get_rank() == 0,
@@ -473,9 +383,9 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
             break
         if args.save and args.save_interval and end % args.save_interval == 0:
             if end < args.train_iters:
-                _save(args, end, model, optimizer, progress)
+                save(args, end, model, optimizer, progress)
     if args.save and losses:
-        _save(args, end, model, optimizer, progress)
+        save(args, end, model, optimizer, progress)
     progress.summary(start, end)
     if isinstance(optimizer, MixedPrecisionOptimizer) and optimizer.loss_scaler is not None:
         progress.print(
