@@ -21,11 +21,9 @@ reinterpret bytes. This module gives the package two primitives, used as switch.
   (``MEGATRON_CORE_CHECK_CONSISTENCY=0``, :func:`disable`) none.
 
 Cost of a check: one extra 128-byte all_gather (per rank) before the collective, plus a few
-microseconds of Python; a latency cost, independent of the tensor size. Measured with
-``scripts/benchmark_consistency.py`` (BENCHMARKS.md, "Consistency check"; gloo / CPU, loaded
-2-core VM): a checked small all-reduce takes 2.0x an unchecked one at 2 ranks (1.6x at 4), a
-4 MiB one 1.16x (1.32x at 4); torch's DETAIL wrapper took 5.7x / 1.6x in the same runs. An
-unchecked collective (off, or after the window) pays about 1 us for the switch.
+microseconds of Python; a latency cost, independent of the tensor size. An unchecked collective
+(off, or after the window) only reads the switch. The measurements, against torch's DETAIL
+wrapper too, are in BENCHMARKS.md ("Consistency check", ``scripts/benchmark_consistency.py``).
 
 torch's own machinery: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps the groups created
 while it is set and compares a fingerprint (op type, shapes, dtypes) before each raw collective,

@@ -1,6 +1,6 @@
 """Checkpointing a stack of layers: megatron-core's full-recompute methods and torch's
-``checkpoint_sequential``. Both call :func:`checkpointing.checkpoint` per region; every rule of
-NOTE [ Checkpoint rules ] in entry_points.py applies to each region.
+``checkpoint_sequential``. Both call entry_points.py's :func:`checkpoint` per region; every rule
+of NOTE [ Checkpoint rules ] in entry_points.py applies to each region.
 """
 
 from __future__ import annotations
