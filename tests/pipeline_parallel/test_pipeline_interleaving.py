@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+from _toy_stack import EVENTS, Chunk, forward_step
 
 from megatron_core import device, parallel_state
 from megatron_core.megatron import megatron_core_version
@@ -22,7 +23,6 @@ from megatron_core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron_core.testing import run_distributed
 
 LAYERS, HIDDEN, BATCH, SEQ, STEPS, LR = 24, 4, 2, 3, 2, 0.1
-EVENTS: list = []
 
 
 def _seq(i: int, variable: bool) -> int:
@@ -48,50 +48,6 @@ def _stack():
     """The layers, drawn on the CPU, on this process's device (the schedules receive there)."""
     torch.manual_seed(7)
     return [torch.nn.Linear(HIDDEN, HIDDEN).to(device.current_device()) for _ in range(LAYERS)]
-
-
-class _Mark(torch.autograd.Function):
-    """Identity; records ("B", microbatch, chunk) when the backward reaches it."""
-
-    @staticmethod
-    def forward(ctx, x, tag):
-        ctx.tag = tag
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        EVENTS.append(("B",) + ctx.tag)
-        return grad, None
-
-
-class _Chunk(torch.nn.Module):
-    def __init__(self, config, layers, pre_process, vp_stage):
-        super().__init__()
-        self.config, self.pre_process, self.vp_stage = config, pre_process, vp_stage
-        self.layers = torch.nn.ModuleList(layers)
-        self.input_tensor = None
-
-    def set_input_tensor(self, tensors):
-        assert isinstance(tensors, list) and len(tensors) == 1, tensors  # megatron's contract
-        self.input_tensor = tensors[0]
-
-    def forward(self, x):
-        h = x if self.pre_process else self.input_tensor
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return h
-
-
-def _forward_step(data_iterator, model):
-    i, x, target = next(data_iterator)
-    EVENTS.append(("F", i, model.vp_stage))
-    out = _Mark.apply(model(x), (i, model.vp_stage)) * 1.0
-
-    def loss_func(output):
-        loss = ((output - target) ** 2).mean()
-        return loss, {"loss": loss.detach().clone()}
-
-    return out, loss_func
 
 
 def _reference(m: int, variable: bool, forward_only: bool = False):
@@ -144,7 +100,7 @@ def _run(case):
     chunks = []
     for c in range(vp or 1):
         v = c * pp + rank
-        chunks.append(_Chunk(config, layers[v * per : (v + 1) * per], v == 0, c))
+        chunks.append(Chunk(config, layers[v * per : (v + 1) * per], v == 0, c))
         owned.update({v * per + j: layer for j, layer in enumerate(chunks[-1].layers)})
     if case.get("sync"):  # record megatron-core DDP's overlap hooks as events
         owner = {id(next(chunk.parameters())): c for c, chunk in enumerate(chunks)}
@@ -157,7 +113,7 @@ def _run(case):
         EVENTS.clear()
         data = [iter(_data(m, step, variable)) for _ in chunks]
         out = get_forward_backward_func()(
-            forward_step_func=_forward_step,
+            forward_step_func=forward_step,
             data_iterator=data if vp else data[0],
             model=chunks if vp else chunks[0],
             num_microbatches=m,
@@ -171,6 +127,7 @@ def _run(case):
             with torch.no_grad():
                 for p in (p for layer in owned.values() for p in layer.parameters()):
                     p -= LR * p.grad
+
     def cpu(t):  # results meet CPU references in the test process
         return None if t is None else t.detach().cpu()
 

@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from _toy_stack import EVENTS, Chunk, forward_step
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
@@ -33,7 +34,6 @@ from megatron_core.tensor_parallel.recompute.memory import count_saved_activatio
 from megatron_core.testing import NO_REUSE_ENV, run_distributed
 
 LAYERS, HIDDEN, SEQ, BATCH = 8, 6, 3, 2
-EVENTS: list = []  # per-process record of schedule events (the schedule-order test)
 
 
 def _config(**options):
@@ -62,53 +62,6 @@ def _data(m: int, seed: int = 99):
     ]
 
 
-class _Mark(torch.autograd.Function):
-    """Identity; records ("B", microbatch, chunk) when the backward reaches it."""
-
-    @staticmethod
-    def forward(ctx, x, tag):
-        ctx.tag = tag
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        EVENTS.append(("B",) + ctx.tag)
-        return grad, None
-
-
-class _Chunk(torch.nn.Module):
-    def __init__(self, config, layers, pre_process, post_process, vp_stage=0):
-        super().__init__()
-        self.config, self.pre_process, self.post_process = config, pre_process, post_process
-        self.vp_stage = vp_stage
-        self.layers = torch.nn.ModuleList(layers)
-        self.input_tensor = None
-
-    def set_input_tensor(self, tensors):
-        # megatron-core's contract: always a list ([None] on the first stage)
-        assert isinstance(tensors, list) and len(tensors) == 1, tensors
-        self.input_tensor = tensors[0]
-
-    def forward(self, x):
-        h = x if self.pre_process else self.input_tensor
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return h
-
-
-def _forward_step(data_iterator, model):
-    i, x, target = next(data_iterator)
-    EVENTS.append(("F", i, model.vp_stage))
-    out = model(x)
-    out = _Mark.apply(out, (i, model.vp_stage)) * 1.0  # a fresh tensor (deallocatable)
-
-    def loss_func(output):
-        loss = ((output - target) ** 2).mean()
-        return loss, {"loss": loss.detach().clone()}
-
-    return out, loss_func
-
-
 def _reference(m: int):
     layers = _full_stack()
     losses = []
@@ -128,7 +81,8 @@ def _chunks(config, pp, vp, rank):
     chunks = []
     for c in range(vp):
         v = c * pp + rank
-        chunks.append(_Chunk(config, layers[v * per : (v + 1) * per], v == 0, v == pp * vp - 1, c))
+        last = v == pp * vp - 1
+        chunks.append(Chunk(config, layers[v * per : (v + 1) * per], v == 0, c, post_process=last))
     return chunks, per
 
 
@@ -144,7 +98,7 @@ def _run_config(pp, vp, m, batch_p2p, deallocate, forward_only=False, use_pgc=Fa
         data = [iter(_data(m)) for _ in chunks]
         EVENTS.clear()
         losses = get_forward_backward_func()(
-            forward_step_func=_forward_step,
+            forward_step_func=forward_step,
             data_iterator=data if vp else data[0],
             model=chunks if vp else chunks[0],
             num_microbatches=m,
@@ -284,7 +238,7 @@ def _bad_input(case):
     vp = case.get("vp") or 1
     chunks, _ = _chunks(_config(**case.get("config", {})), 2, vp, rank)
     kwargs = dict(
-        forward_step_func=_forward_step,
+        forward_step_func=forward_step,
         data_iterator=[iter(_data(4)) for _ in chunks] if case.get("vp") else iter(_data(4)),
         model=chunks if case.get("vp") else chunks[0],
         num_microbatches=4,
@@ -347,15 +301,15 @@ def _failing_stage(fail_rank):
         timeout=datetime.timedelta(seconds=3),
     )
 
-    def forward_step(data_iterator, model):
+    def failing_forward_step(data_iterator, model):
         if rank == fail_rank:
             raise ValueError(f"stage {rank} failed on purpose")
-        return _forward_step(data_iterator, model)
+        return forward_step(data_iterator, model)
 
     start = time.monotonic()
     try:
         forward_backward_pipelining_without_interleaving(
-            forward_step_func=forward_step,
+            forward_step_func=failing_forward_step,
             data_iterator=iter(_data(4)),
             model=chunks[0],
             num_microbatches=4,
@@ -460,7 +414,7 @@ def _peak_in_flight(pp, ms):
     for m in ms:
         with count_saved_activations(ignore=chunk.parameters()) as report:
             get_forward_backward_func()(
-                forward_step_func=_forward_step,
+                forward_step_func=forward_step,
                 data_iterator=iter(_data(m)),
                 model=chunk,
                 num_microbatches=m,
