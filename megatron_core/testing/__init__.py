@@ -1,8 +1,15 @@
 """Multi-rank test harness: run a function on N gloo ranks in spawned processes.
 
 The face of the harness; how it works (forkserver workers, file rendezvous, warm pools, the state
-every call starts from, failures and timeouts) is the docstring of harness.py, the worker loop
-each rank runs is worker.py, the pools of warm workers pools.py.
+every call starts from, failures and timeouts) is the docstring of harness.py. One idea a module:
+
+- harness.py: the public entry points (check the call, hand it to the pools, return the results).
+- pools.py: the caller side: warm worker processes (start, reuse, stop), tasks out and replies
+  back, and the errors a failed or late rank turns into.
+- worker.py: the rank side: the loop each worker process runs, the state reset after each task,
+  and the device mode both sides read.
+- protocol.py: the messages between the two sides (a Task out, a Reply back, STOP).
+- pickling.py: how arguments and results are pickled (tensors' storages by value).
 """
 
 from megatron_core.testing.harness import distributed_test, run_distributed

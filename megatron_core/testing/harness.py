@@ -64,10 +64,6 @@ How it works:
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.connection
-import multiprocessing.util  # noqa: F401  (its atexit hook must be registered before ours)
-import os
 import pickle
 import sys
 import warnings
@@ -76,35 +72,11 @@ from typing import Any
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.testing import pickling
-from megatron_core.testing.pools import (
-    _LOCK,
-    DistributedTestError,
-    DistributedTestTimeout,
-    RankFailure,
-    _acquire_pool,
-    _discard,
-    _failures,
-    _raise,
-    _reuse,
-    shutdown_pools,
-)
-from megatron_core.testing.worker import (
-    _PROTOCOL,
-    RESET_SEED,
-    TEST_DEVICE_ENV,
-    _pytest_rewritten_modules,
-    harness_device_type,
-)
+from megatron_core.testing.pools import run_task
+from megatron_core.testing.worker import TEST_DEVICE_ENV, harness_device_type
 
-__all__ = [
-    "DistributedTestError",
-    "DistributedTestTimeout",
-    "RankFailure",
-    "run_distributed",
-    "distributed_test",
-    "shutdown_pools",
-    "RESET_SEED",
-]
+__all__ = ["run_distributed", "distributed_test"]
+
 
 def _check_arguments(fn: Callable, world_size: Any, timeout: Any, args, kwargs) -> bytes:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -177,30 +149,17 @@ def run_distributed(
     __tracebackhide__ = True
     payload = _check_arguments(fn, world_size, timeout, args, kwargs)
     _check_gpu_count(world_size)
-    rewritten = _pytest_rewritten_modules()
-    task = pickle.dumps((list(sys.path), os.getcwd(), rewritten, payload), protocol=_PROTOCOL)
-    with _LOCK:
-        pool = _acquire_pool(world_size)
-        pool.healthy = False  # until every rank reports back cleanly
-        try:
-            pool.send(task)
-            replies, missing = pool.gather(timeout)
-            failures = _failures(replies)
-            reset_errors = [(r, reply[-1]) for r, reply in replies.items() if reply[-1]]
-            pool.healthy = not (failures or missing or reset_errors)
-        finally:
-            if not pool.healthy or not _reuse():
-                _discard(pool)
-    if failures or missing:
-        name = getattr(fn, "__qualname__", repr(fn))
-        _raise(f"{name} on {world_size} rank(s)", failures, missing, timeout, world_size)
-    for rank, text in reset_errors:
-        warnings.warn(
-            f"resetting rank {rank} after {fn!r} failed; the worker pool was discarded:\n{text}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return [pickle.loads(replies[rank][1]) for rank in range(world_size)]
+    what = f"{getattr(fn, '__qualname__', repr(fn))} on {world_size} rank(s)"
+    replies = run_task(world_size, payload, timeout, what)
+    for rank, reply in replies.items():
+        if reply.reset_error:
+            warnings.warn(
+                f"resetting rank {rank} after {fn!r} failed; the worker pool was discarded:\n"
+                f"{reply.reset_error}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return [pickle.loads(replies[rank].result) for rank in range(world_size)]
 
 
 def distributed_test(

@@ -1,6 +1,11 @@
-"""Worker pools of the multi-rank harness (private): start, reuse, discard, and the errors a
-failed or late rank turns into. The rules (forkserver workers, warm pools, failure grace,
-timeouts) are the docstring of harness.py, rules 1, 3, 6 and 8."""
+"""Caller side of the multi-rank harness (private): pools of warm worker processes (start, reuse,
+stop), the caller's half of protocol.py, and the errors a failed or late rank turns into.
+
+harness.py hands :func:`run_task` a pickled call; this module sends it to the warm pool of that
+world size, gathers the replies and raises if a rank failed. The rules (forkserver workers, warm
+pools, failure grace, timeouts) are the docstring of harness.py, rules 1, 3, 6 and 8; the loop a
+worker runs is worker.py.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +18,14 @@ import multiprocessing.util  # noqa: F401  (its atexit hook must be registered b
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import threading
 import time
 
 from megatron_core import flags
 from megatron_core.errors import MegatronCoreError
-from megatron_core.testing.worker import (
-    _STOP,
-    _worker_main,
-)
+from megatron_core.testing import protocol, worker
 
 NO_REUSE_ENV = "MEGATRON_CORE_TEST_NO_REUSE"
 START_METHOD_ENV = "MEGATRON_CORE_TEST_START_METHOD"
@@ -56,7 +59,7 @@ class DistributedTestTimeout(DistributedTestError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Caller side: pools of warm workers.
+# Pools of warm workers.
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -67,7 +70,7 @@ def _context() -> multiprocessing.context.BaseContext:
     )
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["megatron_core.testing.worker"])  # torch + megatron_core, once
+        ctx.set_forkserver_preload([worker.__name__])  # torch + megatron_core, once
     return ctx
 
 
@@ -87,7 +90,7 @@ class _Pool:
             for rank in range(world_size):
                 parent_conn, child_conn = ctx.Pipe()
                 proc = ctx.Process(
-                    target=_worker_main,
+                    target=worker.main,
                     args=(rank, world_size, init_method, child_conn),
                     name=f"megatron_core-rank{rank}-of-{world_size}",
                 )
@@ -102,11 +105,11 @@ class _Pool:
     def pids(self) -> list[int]:
         return [proc.pid for proc in self.procs]
 
-    def gather(self, timeout: float) -> tuple[dict[int, tuple], list[int]]:
+    def gather(self, timeout: float) -> tuple[dict[int, protocol.Reply], list[int]]:
         """Replies by rank until all arrived, the timeout passed, or the grace after a failure
         ran out; returns (replies, ranks that did not reply)."""
         deadline = time.monotonic() + timeout
-        replies: dict[int, tuple] = {}
+        replies: dict[int, protocol.Reply] = {}
         pending = set(range(self.world_size))
         while pending:
             remaining = deadline - time.monotonic()
@@ -119,20 +122,21 @@ class _Pool:
                 if rank in pending:
                     pending.discard(rank)
                     replies[rank] = self._receive(rank)
-                    if replies[rank][0] not in ("ok", "ready"):
-                        # See module doc, rule 6: the others may be blocked in a collective.
+                    if replies[rank].kind not in (protocol.OK, protocol.READY):
+                        # See harness.py's module doc, rule 6: the others may be blocked in a
+                        # collective.
                         deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
         return replies, sorted(pending)
 
-    def _receive(self, rank: int) -> tuple:
+    def _receive(self, rank: int) -> protocol.Reply:
         conn, proc = self.conns[rank], self.procs[rank]
         try:
             if conn.poll():
-                return pickle.loads(conn.recv_bytes())
+                return protocol.decode(conn.recv_bytes())
         except (EOFError, OSError):
             pass
         proc.join(1.0)
-        return ("died", proc.exitcode)
+        return protocol.Reply(protocol.DIED, exit_code=proc.exitcode)
 
     def send(self, message: bytes) -> None:
         for conn in self.conns:
@@ -142,7 +146,7 @@ class _Pool:
         """Ask the workers to exit, then kill whatever is left."""
         for conn in self.conns:
             try:
-                conn.send_bytes(_STOP)
+                conn.send_bytes(protocol.STOP)
             except OSError:
                 pass
         deadline = time.monotonic() + 2.0
@@ -233,26 +237,67 @@ def _worker_pids(world_size: int) -> list[int] | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The public entry points.
+# The caller's half of the protocol: a task out, the replies back, failures raised.
 
 
-def _failures(replies: dict[int, tuple]) -> dict[int, RankFailure]:
+def run_task(
+    world_size: int, payload: bytes, timeout: float, what: str
+) -> dict[int, protocol.Reply]:
+    """Run ``payload`` (``(fn, args, kwargs)`` pickled by pickling.dumps) on the warm pool of
+    ``world_size`` ranks; returns the OK reply of every rank. The pool is discarded unless every
+    rank replied OK and reset cleanly, or when reuse is off.
+
+    Raises:
+        DistributedTestError: a rank raised, died, or could not start (``what`` heads the message).
+        DistributedTestTimeout: some ranks had not replied within ``timeout`` seconds.
+    """
+    __tracebackhide__ = True
+    task = protocol.Task(list(sys.path), os.getcwd(), _pytest_rewritten_modules(), payload)
+    message = protocol.encode(task)
+    with _LOCK:
+        pool = _acquire_pool(world_size)
+        pool.healthy = False  # until every rank reports back cleanly
+        try:
+            pool.send(message)
+            replies, missing = pool.gather(timeout)
+            failures = _failures(replies)
+            reset_failed = any(reply.reset_error for reply in replies.values())
+            pool.healthy = not (failures or missing or reset_failed)
+        finally:
+            if not pool.healthy or not _reuse():
+                _discard(pool)
+    if failures or missing:
+        _raise(what, failures, missing, timeout, world_size)
+    return replies
+
+
+def _pytest_rewritten_modules() -> list[str]:
+    """Names of the caller's modules that pytest imported with assertion rewriting."""
+    return [
+        name
+        for name, module in list(sys.modules.items())
+        if type(getattr(module, "__loader__", None)).__name__ == "AssertionRewritingHook"
+    ]
+
+
+def _failures(replies: dict[int, protocol.Reply]) -> dict[int, RankFailure]:
     failures = {}
     for rank, reply in replies.items():
-        kind = reply[0]
-        if kind == "error":
-            type_name, message, text, pickled = reply[1]
+        if reply.kind == protocol.ERROR:
+            error = reply.error
             exc = None
-            if pickled is not None:
+            if error.pickled is not None:
                 try:
-                    exc = pickle.loads(pickled)
+                    exc = pickle.loads(error.pickled)
                 except Exception:
                     exc = None
-            failures[rank] = RankFailure(rank, type_name, message, text, exc)
-        elif kind == "startup_error":
-            failures[rank] = RankFailure(rank, "WorkerStartupError", "start-up failed", reply[1])
-        elif kind == "died":
-            message = f"the worker process died (exit code {reply[1]})"
+            failures[rank] = RankFailure(rank, error.type_name, error.message, error.traceback, exc)
+        elif reply.kind == protocol.STARTUP_ERROR:
+            failures[rank] = RankFailure(
+                rank, "WorkerStartupError", "start-up failed", reply.startup_traceback
+            )
+        elif reply.kind == protocol.DIED:
+            message = f"the worker process died (exit code {reply.exit_code})"
             failures[rank] = RankFailure(rank, "WorkerDied", message, "")
     return failures
 

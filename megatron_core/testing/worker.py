@@ -1,8 +1,9 @@
-"""Worker side of the multi-rank harness (harness.py): the loop each spawned rank runs (private).
+"""Rank side of the multi-rank harness (harness.py): the loop each worker process runs.
 
-A worker initializes gloo through the file rendezvous, reports "ready", then runs tasks sent by
-the caller until it is told to stop, resetting per-process state after each task (see the module
-doc of megatron_core.testing, rules 4-6).
+A worker initializes gloo through the file rendezvous, replies READY, then runs the tasks the
+caller sends (protocol.py) until it is told to STOP, resetting per-process state after each task
+(see harness.py's module doc, rules 1, 2, 4, 5, 7 and 8). :func:`main` is the process target that
+pools.py starts; the device-mode helpers here are also read by the caller and by tests.
 """
 
 from __future__ import annotations
@@ -20,42 +21,18 @@ import traceback
 
 from megatron_core import flags
 from megatron_core.errors import MegatronCoreError
-from megatron_core.testing import pickling
+from megatron_core.testing import pickling, protocol
 
 RESET_SEED = 1234
 TEST_DEVICE_ENV = "MEGATRON_CORE_TEST_DEVICE"
+
+# ----------------------------------------------------------------------------------------------
+# Device mode (harness rule 7), read on both sides.
 
 
 def harness_device_type() -> str:
     """The harness's device type: "cuda" if ``MEGATRON_CORE_TEST_DEVICE=cuda``, else "cpu"."""
     return flags.choice(TEST_DEVICE_ENV, ("cpu", "cuda")) or "cpu"
-
-
-_STOP = b"stop"
-_PROTOCOL = pickle.HIGHEST_PROTOCOL
-
-
-def _worker_main(rank: int, world_size: int, init_method: str, conn) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
-    threading.Thread(target=_exit_when_orphaned, daemon=True).start()
-    try:
-        _init_worker(rank, world_size, init_method)
-    except BaseException:
-        conn.send_bytes(pickle.dumps(("startup_error", traceback.format_exc())))
-        return
-    conn.send_bytes(pickle.dumps(("ready", os.getpid())))
-    while True:
-        try:
-            task = conn.recv_bytes()
-        except (EOFError, OSError):
-            return
-        if task == _STOP:
-            break
-        conn.send_bytes(_run_task(task))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def harness_backend(world_size: int) -> str:
@@ -73,6 +50,35 @@ def shares_gpus(world_size: int) -> bool:
     collective, CUDA tensors included, runs over gloo (harness rule 7). A test whose code needs a
     collective gloo lacks for CUDA tensors (coalesced all-reduce, say) skips on this."""
     return harness_device_type() == "cuda" and harness_backend(world_size) == "gloo"
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker process.
+
+
+def main(rank: int, world_size: int, init_method: str, conn) -> None:
+    """Serve the tasks from ``conn`` as rank ``rank`` of ``world_size`` until STOP or EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
+    threading.Thread(target=_exit_when_orphaned, daemon=True).start()
+    try:
+        _init_worker(rank, world_size, init_method)
+    except BaseException:
+        reply = protocol.Reply(protocol.STARTUP_ERROR, startup_traceback=traceback.format_exc())
+        conn.send_bytes(protocol.encode(reply))
+        return
+    conn.send_bytes(protocol.encode(protocol.Reply(protocol.READY, pid=os.getpid())))
+    while True:
+        try:
+            task = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        if task == protocol.STOP:
+            break
+        conn.send_bytes(_run_task(task))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _exit_when_orphaned() -> None:
@@ -103,24 +109,24 @@ def _init_worker(rank: int, world_size: int, init_method: str) -> None:
         raise MegatronCoreError(f"resetting the worker state failed:\n{error}")
 
 
-def _run_task(task: bytes) -> bytes:
+def _run_task(data: bytes) -> bytes:
     try:
-        sys_path, cwd, rewritten, payload = pickle.loads(task)
-        sys.path[:] = sys_path
-        if rewritten:
-            _PytestAssertFinder.install(rewritten)
+        task = protocol.decode(data)
+        sys.path[:] = task.sys_path
+        if task.rewritten:
+            _PytestAssertFinder.install(task.rewritten)
         try:
-            os.chdir(cwd)
+            os.chdir(task.cwd)
         except OSError:
             pass
-        fn, args, kwargs = pickle.loads(payload)
+        fn, args, kwargs = pickle.loads(task.payload)
         from megatron_core import device
 
         device.set_device_type(harness_device_type())
-        reply = ("ok", pickling.dumps(fn(*args, **kwargs)))
+        reply = protocol.Reply(protocol.OK, result=pickling.dumps(fn(*args, **kwargs)))
     except BaseException as exc:  # reported to the caller, whatever it is
-        reply = ("error", _describe(exc))
-    return pickle.dumps((*reply, _reset_process_state()), protocol=_PROTOCOL)
+        reply = protocol.Reply(protocol.ERROR, error=_describe(exc))
+    return protocol.encode(reply._replace(reset_error=_reset_process_state()))
 
 
 class _PytestAssertFinder(importlib.abc.MetaPathFinder):
@@ -156,16 +162,7 @@ class _PytestAssertLoader(importlib.machinery.SourceFileLoader):
         return compile(tree, path, "exec", dont_inherit=True)
 
 
-def _pytest_rewritten_modules() -> list[str]:
-    """Names of the caller's modules that pytest imported with assertion rewriting."""
-    return [
-        name
-        for name, module in list(sys.modules.items())
-        if type(getattr(module, "__loader__", None)).__name__ == "AssertionRewritingHook"
-    ]
-
-
-def _describe(exc: BaseException) -> tuple[str, str, str, bytes | None]:
+def _describe(exc: BaseException) -> protocol.RemoteError:
     cls = type(exc)
     type_name = cls.__qualname__
     if cls.__module__ != "builtins":
@@ -177,7 +174,7 @@ def _describe(exc: BaseException) -> tuple[str, str, str, bytes | None]:
         pickle.loads(pickled)  # some exceptions pickle but do not unpickle
     except Exception:
         pickled = None
-    return type_name, str(exc), text, pickled
+    return protocol.RemoteError(type_name, str(exc), text, pickled)
 
 
 def _unswitched_megatron_modules() -> list[str]:
