@@ -12,7 +12,7 @@ For each message size, rank 0 prints the median over ``--reps`` interleaved repe
 time of one ``reduce_from_tensor_model_parallel_region`` (an all-reduce over the TP group) in
 three set-ups, and the ratios to the first:
 
-* off: every check off (``set_enabled(False)``) -- the hook costs one mode test (the default
+* off: every check off (``set_mode("off")``) -- the hook costs one mode test (the default
   mode, after its window, costs about the same: scripts/benchmark_check_window.py);
 * check: check mode on -- one extra all-gather of 16 int64 per rank before the all-reduce;
 * torch DETAIL: check mode off, on a group created under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
@@ -86,7 +86,7 @@ def run(reps: int, iters: int) -> list[str] | None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     group = parallel_state.get_tensor_model_parallel_group()
     detail = _detail_group(list(range(world)))
-    consistency.set_enabled(False)
+    consistency.set_mode("off")
     where = device.current_device()
     lines = [
         f"{world} ranks, {dist.get_backend(group)}, device {where.type}; median of {reps} "
@@ -128,7 +128,7 @@ def run(reps: int, iters: int) -> list[str] | None:
         f"disabled hook (check_collective with check mode off): {local['hook_off']:.2f} us per "
         f"call; one agreed_errors exchange: {local['agreed']:.1f} us",
     ]
-    consistency.set_enabled(None)
+    consistency.set_mode(None)
     return lines if dist.get_rank() == 0 else None
 
 

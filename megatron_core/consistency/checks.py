@@ -16,9 +16,10 @@ reinterpret bytes. This module gives the package two primitives, used as switch.
 * The switch (switch.py, :class:`CheckMode`): by default (``WINDOW``) the first collectives of
   each group -- 4096 by default, a training iteration of usual models -- first call
   :func:`check_collective` (an :func:`agree` on their inputs), then none (NOTE [ Check window ]
-  in switch.py). Check mode (``ALWAYS``: ``MEGATRON_CORE_CHECK_CONSISTENCY=1``, :func:`enable`,
-  :func:`check_mode`, or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) agrees every collective; ``OFF``
-  (``MEGATRON_CORE_CHECK_CONSISTENCY=0``, :func:`disable`) none.
+  in switch.py). Check mode (``ALWAYS``: ``MEGATRON_CORE_CHECK_CONSISTENCY=1``,
+  ``set_mode("always")``, :func:`check_mode`, or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) agrees
+  every collective; ``OFF``
+  (``MEGATRON_CORE_CHECK_CONSISTENCY=0``, ``set_mode("off")``) none.
 
 Cost of a check: one extra 128-byte all_gather (per rank) before the collective, plus a few
 microseconds of Python; a latency cost, independent of the tensor size. An unchecked collective

@@ -72,10 +72,6 @@ __all__ = [
     "CheckMode",
     "mode",
     "set_mode",
-    "is_enabled",
-    "set_enabled",
-    "enable",
-    "disable",
     "check_mode",
     "window_size",
     "set_window",
@@ -150,9 +146,9 @@ def _from_environment() -> CheckMode:
 
 
 def mode() -> CheckMode:
-    """The mode in force: set by :func:`set_mode` (or enable/disable), else the environment
-    (``MEGATRON_CORE_CHECK_CONSISTENCY``, then ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, read once
-    and again after ``set_mode(None)``), else ``WINDOW``."""
+    """The mode in force: set by :func:`set_mode` (or inside :func:`check_mode`), else the
+    environment (``MEGATRON_CORE_CHECK_CONSISTENCY``, then ``TORCH_DISTRIBUTED_DEBUG=DETAIL``,
+    read once and again after ``set_mode(None)``), else ``WINDOW``."""
     if _SETTINGS.resolved is None:
         forced = _SETTINGS.forced
         _SETTINGS.resolved = forced if forced is not None else _from_environment()
@@ -188,32 +184,6 @@ def _restart() -> None:
 def _optimizer_stepped(optimizer, args, kwargs) -> None:
     """torch's global optimizer step hook: a once-a-step mark of the weakest kind (rule 1)."""
     note_iteration("optimizer")
-
-
-def is_enabled() -> bool:
-    """True in check mode (``ALWAYS``: every collective agreed)."""
-    return mode() is CheckMode.ALWAYS
-
-
-def set_enabled(enabled: bool | None) -> bool | None:
-    """Check mode on (True: ``ALWAYS``), off (False: ``OFF``, not even the window), or None to
-    follow the environment again; returns the previous setting as a bool (None: environment; a
-    forced ``WINDOW`` reads as False: :func:`set_mode` restores any mode exactly)."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise MegatronCoreError(f"set_enabled: enabled ({enabled!r}) must be True, False or None")
-    new = None if enabled is None else (CheckMode.ALWAYS if enabled else CheckMode.OFF)
-    previous = set_mode(new)
-    return None if previous is None else previous is CheckMode.ALWAYS
-
-
-def enable() -> None:
-    """Turn check mode on in this process (every rank must do the same)."""
-    set_mode(CheckMode.ALWAYS)
-
-
-def disable() -> None:
-    """Turn every check off in this process, the window too (every rank must do the same)."""
-    set_mode(CheckMode.OFF)
 
 
 @contextlib.contextmanager

@@ -94,8 +94,8 @@ class VocabParallelEmbedding(torch.nn.Module):
 
         Ids outside [0, num_embeddings) raise a MegatronCoreError (``consistency.check_ids``);
         in check mode and the default window ids that differ between the ranks of the group
-        also raise, on every rank. Only with the checks off (``consistency.disable()``) does an
-        id outside every rank's range embed to zeros (megatron-core's behaviour).
+        also raise, on every rank. Only with the checks off (``consistency.set_mode("off")``)
+        does an id outside every rank's range embed to zeros (megatron-core's behaviour).
         """
         consistency.check_ids("VocabParallelEmbedding", self.tp_group, input_, self.num_embeddings)
         if self.tp_size > 1:

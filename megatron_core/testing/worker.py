@@ -205,7 +205,7 @@ def _reset_process_state() -> str | None:
         except (ImportError, AttributeError):
             pass
         device.set_device_type(None)
-        consistency.set_enabled(None)  # check mode follows the environment again
+        consistency.set_mode(None)  # check mode follows the environment again
         consistency.set_peer_deadline("unset")  # and so does the peer deadline
         if not dist.is_initialized():
             raise MegatronCoreError("the default process group was destroyed by the function")

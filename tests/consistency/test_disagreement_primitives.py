@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import consistency
-from megatron_core.consistency import CollectiveError, RankDisagreementError
+from megatron_core.consistency import CheckMode, CollectiveError, RankDisagreementError
 from megatron_core.errors import MegatronCoreError
 from megatron_core.testing import DistributedTestError, run_distributed
 
@@ -39,11 +39,12 @@ def test_switch(monkeypatch, env, debug, override, expected):
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    previous = consistency.set_enabled(override)
+    new = None if override is None else ("always" if override else "off")
+    previous = consistency.set_mode(new)
     try:
-        assert consistency.is_enabled() is expected
+        assert (consistency.mode() is CheckMode.ALWAYS) is expected
     finally:
-        consistency.set_enabled(previous)
+        consistency.set_mode(previous)
 
 
 @pytest.mark.parametrize(
@@ -97,18 +98,18 @@ def test_check_mode_context_restores(monkeypatch):
     monkeypatch.delenv(consistency.CHECK_ENV, raising=False)
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     with consistency.check_mode():
-        assert consistency.is_enabled()
+        assert consistency.mode() is CheckMode.ALWAYS
         with consistency.check_mode(False):
-            assert not consistency.is_enabled()
-        assert consistency.is_enabled()
-    assert not consistency.is_enabled()
-    consistency.enable()
-    assert consistency.is_enabled()
-    consistency.disable()
-    assert not consistency.is_enabled()
-    consistency.set_enabled(None)
-    with pytest.raises(MegatronCoreError, match=r"enabled \('yes'\) must be True, False or None"):
-        consistency.set_enabled("yes")
+            assert consistency.mode() is CheckMode.OFF
+        assert consistency.mode() is CheckMode.ALWAYS
+    assert consistency.mode() is CheckMode.WINDOW
+    consistency.set_mode("always")
+    assert consistency.mode() is CheckMode.ALWAYS
+    consistency.set_mode(CheckMode.OFF)
+    assert consistency.mode() is CheckMode.OFF
+    consistency.set_mode(None)
+    with pytest.raises(MegatronCoreError, match=r"set_mode: mode \('yes'\) must be a CheckMode"):
+        consistency.set_mode("yes")
 
 
 # --- multi-rank bodies ------------------------------------------------------------------------
@@ -350,7 +351,7 @@ def test_errors_are_package_errors():
 
 
 def _is_enabled():
-    return consistency.is_enabled()
+    return consistency.mode() is CheckMode.ALWAYS
 
 
 def test_workers_follow_the_suite_setting():
