@@ -71,7 +71,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export CUDA_DEVICE_MAX_CONNECTIONS=1  # the overlapped linear backward (NOTE in linear_impl.py)
+export CUDA_DEVICE_MAX_CONNECTIONS=1  # the overlapped linear backward (NOTE in tensor_parallel/linear/autograd.py)
 {
   echo "gpu_check $(date -u +%FT%TZ) at $(git rev-parse --short HEAD 2>/dev/null), steps: $STEPS"
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \

@@ -15,7 +15,7 @@ import torch
 
 from megatron_core import device
 from megatron_core.tensor_parallel import random as tp_random
-from megatron_core.tensor_parallel.linear_impl import (
+from megatron_core.tensor_parallel.linear.autograd import (
     linear_with_grad_accumulation_and_async_allreduce,
 )
 

@@ -33,7 +33,7 @@ from megatron_core import flags
 from megatron_core.errors import MegatronCoreError
 from megatron_core.megatron import _children, cpu_mode, without_te
 from megatron_core.megatron._finder import MegatronSwitchFinder
-from megatron_core.tensor_parallel.linear_base import set_expert_grad_rule
+from megatron_core.tensor_parallel.linear.base import set_expert_grad_rule
 
 __all__ = [
     "SERVED",

@@ -116,7 +116,7 @@ from megatron_core.tensor_parallel.data import broadcast_data
 
 __all__ += ["broadcast_data"]
 
-# From random.py and rng_state.py: the RNG states tracker, seeding, snapshots, audit
+# From random.py and rng/state.py: the RNG states tracker, seeding, snapshots, audit
 from megatron_core.tensor_parallel.random import (
     CudaRNGStatesTracker,
     InferenceCudaRNGStatesTracker,
@@ -134,7 +134,7 @@ from megatron_core.tensor_parallel.random import (
     model_parallel_cuda_manual_seed,
     set_rng_snapshot,
 )
-from megatron_core.tensor_parallel.rng_state import (
+from megatron_core.tensor_parallel.rng.state import (
     RNGAuditReport,
     audit_rng_streams,
     get_rng_state_dict,
@@ -157,7 +157,7 @@ __all__ += [
     "set_rng_snapshot",
     "convert_cuda_rng_state",
     "is_graph_safe_cuda_rng_tracker",
-    # rng_state.py (the audit and save/load half of the RNG work)
+    # rng/state.py (the audit and save/load half of the RNG work)
     "RNGAuditReport",
     "audit_rng_streams",
     "get_rng_state_dict",

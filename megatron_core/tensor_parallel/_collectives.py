@@ -1,7 +1,7 @@
 """The collectives of tensor and sequence parallelism, without autograd (private).
 
 The one place in tensor_parallel that calls torch.distributed's data collectives: the region
-functions of ``mappings.py`` and the overlapped backward of ``linear_impl.py`` call only these.
+functions of ``mappings.py`` and the overlapped backward of ``linear/autograd.py`` call only these.
 Every function returns a fresh tensor and leaves its input untouched.
 
 # NOTE [ Fresh contiguous buffers ]

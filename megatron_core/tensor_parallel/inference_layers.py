@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.model_parallel_config import ModelParallelConfig
-from megatron_core.tensor_parallel.inference_linear import InferenceLinear
 from megatron_core.tensor_parallel.layer_params import _new_param
 from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_core.tensor_parallel.linear.inference import InferenceLinear
 from megatron_core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,

@@ -2,10 +2,10 @@
 
 Megatron-core's names, signatures and semantics (Shoeybi et al., arXiv:1909.08053; sequence
 parallelism: Korthikanti et al., arXiv:2205.05198). Forward communication goes only through the
-region functions of ``mappings.py``; the linear autograd function lives in ``linear_impl.py``
-(re-exported here), what both linear layers share in ``linear_base.py``, VocabParallelEmbedding
-in ``embedding.py`` and the frozen-weight function in ``linear_frozen.py`` (both re-exported
-too). Options come from
+region functions of ``mappings.py``; the linear autograd function lives in
+``linear/autograd.py`` (re-exported here), what both linear layers share in ``linear/base.py``,
+VocabParallelEmbedding in ``embedding.py`` and the frozen-weight function in ``linear/frozen.py``
+(both re-exported too). Options come from
 :class:`~megatron_core.ModelParallelConfig`; every layer uses the tensor-parallel group of
 parallel_state unless given ``tp_group=``.
 
@@ -52,18 +52,18 @@ from megatron_core.tensor_parallel.layer_params import (  # noqa: F401  (re-expo
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
-from megatron_core.tensor_parallel.linear_base import (
+from megatron_core.tensor_parallel.linear.autograd import (
+    LinearWithGradAccumulationAndAsyncCommunication,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
+from megatron_core.tensor_parallel.linear.base import (
     _default_extra_state,
     _ParallelLinearBase,
     reduces_over_expert_groups,
 )
-from megatron_core.tensor_parallel.linear_frozen import (
+from megatron_core.tensor_parallel.linear.frozen import (
     LinearWithFrozenWeight,
     linear_with_frozen_weight,
-)
-from megatron_core.tensor_parallel.linear_impl import (
-    LinearWithGradAccumulationAndAsyncCommunication,
-    linear_with_grad_accumulation_and_async_allreduce,
 )
 from megatron_core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -381,5 +381,5 @@ class RowParallelLinear(_ParallelLinearBase):
             output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
         if self.skip_bias_add or self.bias is None:
             return output, self.bias
-        # Under autocast the bias joins in the output's dtype, as nn.Linear's would (amp.py).
+        # Under autocast the bias joins in the output's dtype, as nn.Linear's would (linear/amp.py).
         return output + self.bias.to(output.dtype), None

@@ -3,7 +3,7 @@
 Megatron-compatible names (``CudaRNGStatesTracker``, ``get_cuda_rng_tracker``,
 ``model_parallel_cuda_manual_seed``); the "cuda" in them is Megatron's spelling. The tracker drives
 the current device's generator through :mod:`megatron_core.device`: the CUDA generator of the
-current GPU on cuda, the CPU generator on cpu. Audit and save/load live in ``rng_state.py``;
+current GPU on cuda, the CPU generator on cpu. Audit and save/load live in ``rng/state.py``;
 ``checkpoint`` and friends are attached here by the ``tensor_parallel`` face (megatron-core's
 path ``tensor_parallel.random.checkpoint``), from ``recompute/entry_points.py``.
 
@@ -78,7 +78,7 @@ import torch
 
 from megatron_core import compat, device, parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.rng_graphs import (  # megatron-core's import path
+from megatron_core.tensor_parallel.rng.graphs import (  # megatron-core's import path
     convert_cuda_rng_state,
     is_graph_safe_cuda_rng_tracker,
 )

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.rng_state import set_rng_state_dict
+from megatron_core.tensor_parallel.rng.state import set_rng_state_dict
 from megatron_core.training import checkpoint_state as state
 from megatron_core.training.checkpoint_io import (
     FORMAT,

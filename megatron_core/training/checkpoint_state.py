@@ -37,7 +37,7 @@ import torch
 
 from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.rng_state import get_rng_state_dict
+from megatron_core.tensor_parallel.rng.state import get_rng_state_dict
 
 __all__ = [
     "Shard",

@@ -7,9 +7,10 @@ NOTE [ Mixed precision ]
    (``layer_params.init_from_fp32_draw``: torch's own half draws differ by release).
 2. Main grads. Every model parameter gets an fp32 ``param.main_grad`` buffer. The parallel
    linear layers add their weight gradient into it directly (``gradient_accumulation_fusion``:
-   apex's kernel on CUDA, else torch's addmm in fp32, see linear_impl.py); every other
-   gradient (biases, LayerNorm, embeddings) is added into it by a post-accumulate-grad hook,
-   which then frees the half-precision ``.grad``. Microbatches therefore accumulate in fp32.
+   apex's kernel on CUDA, else torch's addmm in fp32, see tensor_parallel/linear/autograd.py);
+   every other gradient (biases, LayerNorm, embeddings) is added into it by a
+   post-accumulate-grad hook, which then frees the half-precision ``.grad``. Microbatches
+   therefore accumulate in fp32.
 3. Main weights. The wrapped torch optimizer steps fp32 copies of the parameters (the "main"
    or "master" weights), whose ``.grad`` is the main_grad buffer. After the step the model's
    parameters are set to the main weights rounded to the model dtype. Gradient reductions

@@ -205,8 +205,8 @@ def test_check_megatron_lm_script_parses_and_names_a_missing_checkout(tmp_path):
 @pytest.mark.parametrize("release, etp_rule", [("0.16.1", False), ("0.19.2", True)])
 def test_expert_allreduce_rule_follows_the_served_release(release, etp_rule, monkeypatch):
     """0.16.1 marks expert parameters for the expert data-parallel group under expert
-    parallelism only; 0.19 also where ETP != TP (tensor_parallel/linear_base.py)."""
-    from megatron_core.tensor_parallel import linear_base
+    parallelism only; 0.19 also where ETP != TP (tensor_parallel/linear/base.py)."""
+    from megatron_core.tensor_parallel.linear import base as linear_base
 
     monkeypatch.setattr(switch, "megatron_core_version", lambda: release)
     monkeypatch.setattr(switch, "_foreign_imports", lambda: [])

@@ -209,8 +209,9 @@ def check_linear_function(report, tp, rank, dtype):
         y_ref.backward(dy.to(y_ref.dtype))
         report.close(f"{name} output", out, y_ref, TOL[dtype])
         report.close(f"{name} input grad", x_in.grad, x_ref.grad, TOL[dtype])
-        # fp32 main_grad accumulates the same bf16/fp16 products exactly (linear_impl rule 4);
-        # the reference's weight grad is rounded to the autocast dtype before its fp32 cast.
+        # fp32 main_grad accumulates the same bf16/fp16 products exactly (NOTE [ Overlapped
+        # linear backward ], rule 4, in linear/autograd.py); the reference's weight grad is
+        # rounded to the autocast dtype before its fp32 cast.
         report.close(
             f"{name} weight grad", w.main_grad if fusion else w.grad, w_ref.grad, TOL[dtype]
         )

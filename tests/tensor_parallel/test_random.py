@@ -1,4 +1,4 @@
-"""RNG tracker, seeding, snapshots, audit and save/load (random.py, rng_state.py).
+"""RNG tracker, seeding, snapshots, audit and save/load (random.py, rng/state.py).
 
 In-process tests run on every available device type (cpu always, cuda when present) with explicit
 ranks; the multi-rank tests run on gloo ranks through megatron_core.testing. Draws are compared
@@ -17,7 +17,7 @@ from megatron_core import device
 from megatron_core import parallel_state as ps
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import random as tp_random
-from megatron_core.tensor_parallel import rng_state
+from megatron_core.tensor_parallel.rng import state as rng_state
 from megatron_core.testing import run_distributed
 
 MP = "model-parallel-rng"

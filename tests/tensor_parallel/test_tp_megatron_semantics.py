@@ -29,7 +29,7 @@ from megatron_core.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from megatron_core.tensor_parallel.linear_base import set_expert_grad_rule
+from megatron_core.tensor_parallel.linear.base import set_expert_grad_rule
 from megatron_core.testing import run_distributed
 
 WORLD_SIZES = [1, 2, 4]

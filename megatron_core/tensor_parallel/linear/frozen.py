@@ -3,7 +3,7 @@
 megatron-core's ``LinearWithFrozenWeight`` / ``linear_with_frozen_weight`` (re-exported by
 ``layers.py``, where megatron-core defines them). The parallel linear layers route through it when
 their weight is frozen (adapters such as LoRA freeze the base weight): forward is
-``Y = X W^T + b`` as in ``linear_impl.py``, but backward computes only the input gradient, and
+``Y = X W^T + b`` as in ``linear/autograd.py``, but backward computes only the input gradient, and
 only the weight (not the input) is saved for backward.
 """
 
@@ -18,7 +18,7 @@ from megatron_core import parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.model_parallel_config import check_gtp_size
 from megatron_core.tensor_parallel import _collectives
-from megatron_core.tensor_parallel.amp import custom_bwd, custom_fwd
+from megatron_core.tensor_parallel.linear.amp import custom_bwd, custom_fwd
 from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 __all__ = ["LinearWithFrozenWeight", "linear_with_frozen_weight"]
@@ -29,7 +29,7 @@ class LinearWithFrozenWeight(torch.autograd.Function):
     ``allreduce_dgrad`` (the column-parallel f operator folded into the function).
 
     No gradient flows to the weight or the bias. Autocast state is replayed in backward
-    (NOTE [ Autocast in autograd functions ] in amp.py).
+    (NOTE [ Autocast in autograd functions ] in linear/amp.py).
     """
 
     @staticmethod

@@ -1,7 +1,7 @@
 """RNG stream audit across ranks, and per-rank RNG state save/load for exact resume.
 
-Both build on the tracker and snapshots in ``random.py``; the rules they enforce are
-NOTE [ RNG streams ] in that file.
+Both build on the tracker and snapshots in ``tensor_parallel/random.py``; the rules they enforce
+are NOTE [ RNG streams ] in that file.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from megatron_core.tensor_parallel.layer_params import (
     _new_param,
     set_tensor_model_parallel_attributes,
 )
-from megatron_core.tensor_parallel.linear_base import _ParallelLinearBase
+from megatron_core.tensor_parallel.linear.base import _ParallelLinearBase
 from megatron_core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,

@@ -15,7 +15,7 @@ from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.model_parallel_config import check_gtp_size
 from megatron_core.tensor_parallel import _collectives as C
-from megatron_core.tensor_parallel.amp import custom_bwd, custom_fwd
+from megatron_core.tensor_parallel.linear.amp import custom_bwd, custom_fwd
 from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 try:  # apex's fused weight-gradient GEMMs; optional (DESIGN.md, apex rule)
@@ -88,7 +88,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """
 
     @staticmethod
-    @custom_fwd  # NOTE [ Autocast in autograd functions ] (amp.py)
+    @custom_fwd  # NOTE [ Autocast in autograd functions ] (linear/amp.py)
     def forward(
         ctx,
         input,

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.delayed_wgrad import WgradStore
 from megatron_core.tensor_parallel.layer_params import (
     _init_shard,
     _new_param,
@@ -17,10 +16,11 @@ from megatron_core.tensor_parallel.layer_params import (
     _sequence_parallel,
     set_tensor_model_parallel_attributes,
 )
-from megatron_core.tensor_parallel.linear_frozen import linear_with_frozen_weight
-from megatron_core.tensor_parallel.linear_impl import (
+from megatron_core.tensor_parallel.linear.autograd import (
     linear_with_grad_accumulation_and_async_allreduce,
 )
+from megatron_core.tensor_parallel.linear.delayed_wgrad import WgradStore
+from megatron_core.tensor_parallel.linear.frozen import linear_with_frozen_weight
 from megatron_core.tensor_parallel.sharded_state import sharded_state_dict_of_layer
 
 __all__: list[str] = []
@@ -83,7 +83,7 @@ class _ParallelLinearBase(torch.nn.Module):
         if not isinstance(stride, int) or stride < 1:
             raise MegatronCoreError(f"{layer}: stride ({stride!r}) must be an integer >= 1")
         self.gtp_remat_size = 1  # 0.19's weight remat: not implemented (check_gtp_size)
-        self._wgrad_store = None  # NOTE [ Delayed weight gradient ] (delayed_wgrad.py)
+        self._wgrad_store = None  # NOTE [ Delayed weight gradient ] (linear/delayed_wgrad.py)
         if config.delay_wgrad_compute:
             if config.defer_embedding_wgrad_compute:
                 raise MegatronCoreError(
