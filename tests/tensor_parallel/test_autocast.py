@@ -25,6 +25,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from _tp_reference import Report, full_weight, init_method, leaf, shard
 
 from megatron_core import device
 from megatron_core import parallel_state as ps
@@ -58,26 +59,9 @@ TOPICS = (
 )
 
 
-def init_method(tensor):
-    return torch.nn.init.normal_(tensor, std=0.5)
-
-
-def full_weight(out_size, in_size, seed):
-    torch.manual_seed(seed)
-    return init_method(torch.empty(out_size, in_size))
-
-
 def randn(*shape, seed):
     dev = device.current_device()
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dev)
-
-
-def shard(tensor, dim, tp, rank):
-    return tensor.chunk(tp, dim=dim)[rank]
-
-
-def leaf(tensor):
-    return tensor.detach().clone().requires_grad_()
 
 
 def config(tp, sp=False, **kwargs):
@@ -97,32 +81,6 @@ def linear_ref(in_size, out_size, seed, bias=None, dtype=torch.float32):
 
 def autocast(dtype):
     return torch.autocast(device.device_type(), dtype=dtype)
-
-
-class Report:
-    """One rank's checks by topic; failures are kept as text instead of raised."""
-
-    def __init__(self):
-        self.topic, self.checked, self.failures = None, {}, {}
-
-    def _record(self, name, failure):
-        self.checked[self.topic] = self.checked.get(self.topic, 0) + 1
-        if failure:
-            self.failures.setdefault(self.topic, []).append(f"{name}: {failure}")
-
-    def close(self, name, actual, expected, tol):
-        if actual is None or expected is None:
-            return self._record(name, f"got None (actual {actual is None})")
-        if actual.dtype != expected.dtype:
-            return self._record(name, f"dtype {actual.dtype} != reference {expected.dtype}")
-        try:
-            torch.testing.assert_close(actual, expected, **tol)
-        except AssertionError as exc:
-            return self._record(name, str(exc))
-        self._record(name, None)
-
-    def true(self, name, condition):
-        self._record(name, None if condition else "expected True")
 
 
 def check_column(report, tp, rank, dtype):
@@ -405,7 +363,7 @@ CHECKS = {
 def _all_checks():
     ps.initialize_model_parallel(tensor_model_parallel_size=torch.distributed.get_world_size())
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    report = Report()
+    report = Report(check_dtype=True)
     for topic, check in CHECKS.items():
         report.topic = topic
         for dtype in DTYPES:

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _tp_reference import Report, full_weight, init_method, leaf, shard
 
 from megatron_core import device
 from megatron_core import parallel_state as ps
@@ -52,16 +53,6 @@ TOLERANCE = {torch.float32: {}, torch.bfloat16: {"rtol": 3e-2, "atol": 3e-2}}  #
 EXACT = {"rtol": 0, "atol": 0}
 
 
-def init_method(tensor):
-    return torch.nn.init.normal_(tensor, std=0.5)
-
-
-def full_weight(out_size, in_size, seed):
-    """The full master weight that megatron-core's CPU initialization draws after seeding."""
-    torch.manual_seed(seed)
-    return init_method(torch.empty(out_size, in_size))
-
-
 def randn(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -76,15 +67,6 @@ def config(tp, sp=False, dtype=torch.float32, **kwargs):
     )
 
 
-def leaf(tensor):
-    """A fresh leaf copy that requires grad."""
-    return tensor.detach().clone().requires_grad_()
-
-
-def shard(tensor, dim, tp, rank):
-    return tensor.chunk(tp, dim=dim)[rank]
-
-
 def linear_ref(in_size, out_size, weight_seed, bias, dtype=torch.float32):
     """Serial nn.Linear (fp32) holding the full weight (rounded to ``dtype``) and ``bias``."""
     ref = torch.nn.Linear(in_size, out_size)
@@ -92,41 +74,6 @@ def linear_ref(in_size, out_size, weight_seed, bias, dtype=torch.float32):
         ref.weight.copy_(full_weight(out_size, in_size, weight_seed).to(dtype))
         ref.bias.copy_(bias)
     return ref
-
-
-class Report:
-    """One rank's checks, by topic; failures are kept as text instead of raised."""
-
-    def __init__(self):
-        self.topic = None
-        self.checked: dict[str, int] = {}
-        self.failures: dict[str, list[str]] = {}
-
-    def _record(self, name, failure):
-        self.checked[self.topic] = self.checked.get(self.topic, 0) + 1
-        if failure:
-            self.failures.setdefault(self.topic, []).append(f"{name}: {failure}")
-
-    def close(self, name, actual, expected, tol):
-        if actual is None:
-            return self._record(name, "got None")
-        try:
-            torch.testing.assert_close(actual.float(), expected.float(), **tol)
-        except AssertionError as exc:
-            return self._record(name, str(exc))
-        self._record(name, None)
-
-    def true(self, name, condition):
-        self._record(name, None if condition else "expected True")
-
-    def raises(self, name, fn, *needles):
-        """fn() must raise MegatronCoreError whose message contains every needle."""
-        try:
-            fn()
-        except MegatronCoreError as exc:
-            missing = [n for n in needles if n not in str(exc)]
-            return self._record(name, f"message {str(exc)!r} lacks {missing}" if missing else None)
-        self._record(name, "no MegatronCoreError")
 
 
 # --- per-rank checks, one topic each --------------------------------------------------------
@@ -491,7 +438,7 @@ def check_attributes(report, tp, rank):
 
 
 def per_rank_body(world_size):
-    report = Report()
+    report = Report(check_dtype=False)
     report.topic = "cpu_init"
     check_cpu_init(report, world_size)
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
