@@ -4,8 +4,9 @@ Porting: ``import deepspeed.checkpointing as ckpt`` becomes
 ``from megatron_core import deepspeed_checkpointing as ckpt``; ``ckpt.configure(mpu, ...)``,
 ``ckpt.checkpoint(fn, *args, **kwargs)`` and the RNG helpers keep DeepSpeed's names, arguments
 and defaults. The machinery is tensor_parallel/recompute/ (RNG replay, 1-D chunks, backward
-through the recomputed outputs). Files: this one (the settings, ``checkpoint``), config.py (the
-DeepSpeed config section and the checks), saved_arguments.py (partitions, CPU copies, contiguous
+through the recomputed outputs; saved_inputs.py keeps and rebuilds each tensor). Files: this one
+(the settings, ``checkpoint``), config.py (the DeepSpeed config section and the checks),
+saved_arguments.py (which arguments are partitioned or copied to the CPU, the contiguous
 buffers).
 
 # NOTE [ DeepSpeed checkpointing ]
