@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_core.deepspeed_checkpointing.config import Settings
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.recompute.saved_inputs import (
     InputSlot,
@@ -86,7 +87,7 @@ class SavedArguments:
     def __init__(
         self,
         args: Sequence[Any],
-        settings: dict[str, Any],
+        settings: Settings,
         tp: tuple[int, int, dist.ProcessGroup | None],
     ):
         self.leaves = [None if torch.is_tensor(x) else x for x in args]
@@ -99,11 +100,11 @@ class SavedArguments:
             if not torch.is_tensor(x):
                 continue
             chosen = _to_partition(x)
-            split = chosen and settings["partition"]
+            split = chosen and settings.partition_activations
             if split:
                 kept = self._partition(x, floating, settings)
                 floating += 1
-            elif chosen and settings["cpu"]:
+            elif chosen and settings.checkpoint_in_cpu:
                 kept = keep_tensor(x, split=False, offload=True)
             else:
                 kept = x
@@ -112,15 +113,15 @@ class SavedArguments:
         # A graph dropped without backward gives its buffers back too.
         weakref.finalize(self, _give_back_all, list(self.give_back))
 
-    def _partition(self, x: torch.Tensor, position: int, settings: dict[str, Any]) -> torch.Tensor:
+    def _partition(self, x: torch.Tensor, position: int, settings: Settings) -> torch.Tensor:
         size, _, group = self.tp
-        offload = settings["cpu"]
-        if not settings["contiguous"]:
+        offload = settings.checkpoint_in_cpu
+        if not settings.contiguous_checkpointing:
             return keep_tensor(x, split=True, offload=offload, group=group, tp_size=size)
         chunk = keep_tensor(x, split=True, offload=False, group=group, tp_size=size)
         where = torch.device("cpu") if offload else chunk.device
         key = (position, chunk.numel(), chunk.dtype, where)
-        buffer, give_back = BUFFERS.take(key, settings["num_layers"])
+        buffer, give_back = BUFFERS.take(key, settings.num_checkpoints)
         self.give_back.append(give_back)
         return buffer.copy_(chunk)
 
