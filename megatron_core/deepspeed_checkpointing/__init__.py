@@ -4,9 +4,10 @@ Porting: ``import deepspeed.checkpointing as ckpt`` becomes
 ``from megatron_core import deepspeed_checkpointing as ckpt``; ``ckpt.configure(mpu, ...)``,
 ``ckpt.checkpoint(fn, *args, **kwargs)`` and the RNG helpers keep DeepSpeed's names, arguments
 and defaults. The machinery is tensor_parallel/recompute/ (RNG replay, 1-D chunks, backward
-through the recomputed outputs). Files: this one (the settings, ``checkpoint``), config.py (the
-DeepSpeed config section and the checks), saved_arguments.py (partitions, CPU copies, contiguous
-buffers).
+through the recomputed outputs; saved_inputs.py keeps and rebuilds each tensor). Files: this one
+(the module globals, ``checkpoint``), config.py (the settings dataclass, the DeepSpeed config
+section and the checks), saved_arguments.py (which arguments are partitioned or copied to the
+CPU, the contiguous buffers).
 
 # NOTE [ DeepSpeed checkpointing ]
 1. Settings. ``configure`` writes the module globals ``PARTITION_ACTIVATIONS``,
@@ -40,6 +41,7 @@ buffers).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -51,7 +53,7 @@ import torch.distributed as dist
 
 from megatron_core import device, parallel_state
 from megatron_core.deepspeed_checkpointing.config import (
-    CONFIG_KEYS,
+    Settings,
     check_mpu,
     check_settings,
     read_config,
@@ -137,9 +139,9 @@ def configure(
     """
     global mpu, num_layers, deepspeed_checkpointing_enabled, PARTITION_ACTIVATIONS
     global CONTIGUOUS_CHECKPOINTING, CPU_CHECKPOINT, SYNCHRONIZE, PROFILE_TIME
-    settings = {arg: default for arg, default in CONFIG_KEYS.values()}
+    settings = Settings()
     if deepspeed_config is not None:
-        settings.update(read_config(deepspeed_config))
+        settings = dataclasses.replace(settings, **read_config(deepspeed_config))
     explicit = {
         "partition_activations": partition_activations,
         "contiguous_checkpointing": contiguous_checkpointing,
@@ -148,17 +150,17 @@ def configure(
         "synchronize": synchronize,
         "profile": profile,
     }
-    settings.update({k: v for k, v in explicit.items() if v is not None})
+    settings = dataclasses.replace(settings, **{k: v for k, v in explicit.items() if v is not None})
     check_settings(settings)
     if mpu_ is not None:
         check_mpu(mpu_)
         mpu = mpu_
-    PARTITION_ACTIVATIONS = settings["partition_activations"]
-    CONTIGUOUS_CHECKPOINTING = settings["contiguous_checkpointing"]
-    num_layers = settings["num_checkpoints"]
-    CPU_CHECKPOINT = settings["checkpoint_in_cpu"]
-    SYNCHRONIZE = settings["synchronize"]
-    PROFILE_TIME = settings["profile"]
+    PARTITION_ACTIVATIONS = settings.partition_activations
+    CONTIGUOUS_CHECKPOINTING = settings.contiguous_checkpointing
+    num_layers = settings.num_checkpoints
+    CPU_CHECKPOINT = settings.checkpoint_in_cpu
+    SYNCHRONIZE = settings.synchronize
+    PROFILE_TIME = settings.profile
     deepspeed_checkpointing_enabled = True
     _BUFFERS.free()
 
@@ -253,35 +255,40 @@ def model_parallel_reconfigure_tp_seed(seed: int) -> None:
         device.manual_seed(seed + 2718 + tp_rank)
 
 
-def _settings() -> dict[str, Any]:
-    """The module globals a checkpoint reads when its forward starts (rule 1)."""
-    return {
-        "partition": bool(PARTITION_ACTIVATIONS),
-        "cpu": bool(CPU_CHECKPOINT),
-        "contiguous": bool(CONTIGUOUS_CHECKPOINTING),
-        "num_layers": num_layers,
-        "synchronize": bool(SYNCHRONIZE),
-        "profile": bool(PROFILE_TIME),
-    }
+def _settings() -> Settings:
+    """The module globals a checkpoint reads when its forward starts (rule 1), unchecked."""
+    return Settings(
+        partition_activations=bool(PARTITION_ACTIVATIONS),
+        contiguous_checkpointing=bool(CONTIGUOUS_CHECKPOINTING),
+        checkpoint_in_cpu=bool(CPU_CHECKPOINT),
+        num_checkpoints=num_layers,
+        synchronize=bool(SYNCHRONIZE),
+        profile=bool(PROFILE_TIME),
+    )
+
+
+def _partition_tp(settings: Settings) -> tuple[int, int, dist.ProcessGroup | None]:
+    """What partitions split over: mpu's TP group (size, rank, group), or one rank when off."""
+    return _tp() if settings.partition_activations else (1, 0, None)
 
 
 class _Timer:
     """Synchronize (rule 5) and time one forward or backward; print DeepSpeed's line."""
 
-    def __init__(self, settings: dict[str, Any], name: str):
+    def __init__(self, settings: Settings, name: str):
         self.settings, self.name = settings, name
-        if settings["synchronize"]:
+        if settings.synchronize:
             device.synchronize()
         self.start = time.perf_counter()
 
     def stop(self) -> None:
-        if self.settings["profile"]:
-            if self.settings["synchronize"] is False:
+        if self.settings.profile:
+            if not self.settings.synchronize:
                 device.synchronize()
             ms = (time.perf_counter() - self.start) * 1000.0
             if not dist.is_initialized() or dist.get_rank() == 0:
                 print(f"time (ms) | {self.name}: {ms:.2f}", flush=True)
-        if self.settings["synchronize"]:
+        if self.settings.synchronize:
             device.synchronize()
 
 
@@ -305,7 +312,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.state = ForwardState.capture()
         with torch.no_grad(), checkpointing_region():
             outputs = run_function(*args)
-        ctx.saved = SavedArguments(args, settings, _tp() if settings["partition"] else (1, 0, None))
+        ctx.saved = SavedArguments(args, settings, _partition_tp(settings))
         ctx.save_for_backward(*ctx.saved.tensors)
         ctx.saved.tensors = []
         timer.stop()
@@ -386,8 +393,8 @@ def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     recompute (DeepSpeed's also spans the backpropagation after it).
     """
     settings = _settings()
-    tp = _tp() if settings["partition"] else (1, 0, None)
-    options = CheckpointOptions(None, settings["cpu"], False, tp[2])
+    tp = _partition_tp(settings)
+    options = CheckpointOptions(offload_to_cpu=settings.checkpoint_in_cpu, tp_group=tp[2])
     timer = _Timer(settings, "fwd")
     out = checkpoint_without_reentrant(
         function,
@@ -404,7 +411,7 @@ def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
 class _TimedRecompute:
     """The recompute context of :func:`non_reentrant_checkpoint`: its "backward" line (rule 5)."""
 
-    def __init__(self, settings: dict[str, Any]):
+    def __init__(self, settings: Settings):
         self.settings = settings
 
     def __enter__(self) -> None:

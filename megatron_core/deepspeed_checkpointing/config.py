@@ -1,8 +1,9 @@
-"""The "activation_checkpointing" section of a DeepSpeed config, and the checks of configure()'s
-settings (NOTE [ DeepSpeed checkpointing ], rule 1, in __init__.py)."""
+"""configure()'s settings (a frozen dataclass), the "activation_checkpointing" section of a
+DeepSpeed config, and the checks (NOTE [ DeepSpeed checkpointing ], rule 1, in __init__.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -10,18 +11,53 @@ from typing import Any
 
 from megatron_core.errors import MegatronCoreError
 
-__all__ = ["CONFIG_SECTION", "CONFIG_KEYS", "read_config", "check_settings", "check_mpu"]
+__all__ = [
+    "Settings",
+    "CONFIG_SECTION",
+    "CONFIG_KEYS",
+    "read_config",
+    "check_settings",
+    "check_mpu",
+]
 
-# key -> (configure() argument, DeepSpeed's default).
-CONFIG_SECTION = "activation_checkpointing"
-CONFIG_KEYS = {
-    "partition_activations": ("partition_activations", False),
-    "contiguous_memory_optimization": ("contiguous_checkpointing", False),
-    "cpu_checkpointing": ("checkpoint_in_cpu", False),
-    "number_checkpoints": ("num_checkpoints", None),
-    "synchronize_checkpoint_boundary": ("synchronize", False),
-    "profile": ("profile", False),
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """DeepSpeed's activation-checkpointing settings, named as configure()'s arguments.
+
+    The defaults are DeepSpeed's. configure() builds one and checks it (:func:`check_settings`);
+    every checkpoint builds one from the module globals when its forward starts (rule 1), unchecked.
+
+    Attributes:
+        partition_activations: keep 1/tp of each floating argument per rank (rule 2).
+        contiguous_checkpointing: copy the partitions into preallocated buffers (rule 4).
+        checkpoint_in_cpu: keep the saved arguments on the CPU (rule 3).
+        num_checkpoints: buffers per argument (the module global ``num_layers``).
+        synchronize: synchronize the device around forward and backward (rule 5).
+        profile: print forward and backward times on rank 0 (rule 5).
+    """
+
+    # In DeepSpeed's config-key order: check_settings names the first bad value in this order.
+    partition_activations: bool = False
+    contiguous_checkpointing: bool = False
+    checkpoint_in_cpu: bool = False
+    num_checkpoints: int | None = None
+    synchronize: bool = False
+    profile: bool = False
+
+
+# DeepSpeed config key -> the Settings field it sets.
+_FIELDS = {
+    "partition_activations": "partition_activations",
+    "contiguous_memory_optimization": "contiguous_checkpointing",
+    "cpu_checkpointing": "checkpoint_in_cpu",
+    "number_checkpoints": "num_checkpoints",
+    "synchronize_checkpoint_boundary": "synchronize",
+    "profile": "profile",
 }
+CONFIG_SECTION = "activation_checkpointing"
+# key -> (configure() argument, DeepSpeed's default).
+CONFIG_KEYS = {key: (name, getattr(Settings(), name)) for key, name in _FIELDS.items()}
 
 
 def read_config(deepspeed_config: Any) -> dict[str, Any]:
@@ -53,9 +89,10 @@ def read_config(deepspeed_config: Any) -> dict[str, Any]:
     return {arg: section.get(key, default) for key, (arg, default) in CONFIG_KEYS.items()}
 
 
-def check_settings(settings: dict[str, Any]) -> None:
+def check_settings(settings: Settings) -> None:
     """Raise MegatronCoreError naming the first bad value of configure()'s settings."""
-    for name, value in settings.items():
+    for field in dataclasses.fields(settings):
+        name, value = field.name, getattr(settings, field.name)
         if name == "num_checkpoints":
             ok = value is None or (type(value) is int and value > 0)
             if not ok:
@@ -64,12 +101,12 @@ def check_settings(settings: dict[str, Any]) -> None:
                 )
         elif not isinstance(value, bool):
             raise MegatronCoreError(f"configure: {name} ({value!r}) must be a bool")
-    if settings["contiguous_checkpointing"] and not settings["partition_activations"]:
+    if settings.contiguous_checkpointing and not settings.partition_activations:
         raise MegatronCoreError(
             "configure: contiguous_checkpointing=True needs partition_activations=True (the "
             "buffers hold partitions), as in DeepSpeed"
         )
-    if settings["contiguous_checkpointing"] and settings["num_checkpoints"] is None:
+    if settings.contiguous_checkpointing and settings.num_checkpoints is None:
         raise MegatronCoreError(
             "configure: contiguous_checkpointing=True needs num_checkpoints (the number of "
             "buffers per argument), got None"

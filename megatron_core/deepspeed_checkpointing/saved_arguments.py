@@ -1,6 +1,10 @@
 """What a DeepSpeed-style checkpoint keeps of its arguments until backward: whole, as 1-D
 partitions over the tensor-parallel group, on the CPU, in contiguous buffers (NOTE [ DeepSpeed
-checkpointing ], rules 2-4, in __init__.py)."""
+checkpointing ], rules 2-4, in __init__.py).
+
+Which arguments are partitioned or offloaded, and the contiguous buffers, are DeepSpeed's; keeping
+and rebuilding one tensor (split, CPU copy, gather, layout) is recompute's (saved_inputs.py).
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_core.deepspeed_checkpointing.config import Settings
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.recompute.saved_inputs import with_strides
-from megatron_core.tensor_parallel.utils import (
-    gather_split_1d_tensor,
-    split_tensor_into_1d_equal_chunks,
+from megatron_core.tensor_parallel.recompute.saved_inputs import (
+    InputSlot,
+    keep_tensor,
+    rebuild_tensor,
 )
 
 __all__ = ["BUFFERS", "SavedArguments", "ContiguousBuffers"]
@@ -82,11 +87,11 @@ class SavedArguments:
     def __init__(
         self,
         args: Sequence[Any],
-        settings: dict[str, Any],
+        settings: Settings,
         tp: tuple[int, int, dist.ProcessGroup | None],
     ):
         self.leaves = [None if torch.is_tensor(x) else x for x in args]
-        self.slots: list[tuple[int, torch.Size, tuple, torch.device, bool, bool]] = []
+        self.slots: list[InputSlot] = []
         self.tensors: list[torch.Tensor] = []
         self.give_back: list[Callable[[], None]] = []
         self.tp = tp  # (size, rank, group) partitions split over
@@ -95,47 +100,41 @@ class SavedArguments:
             if not torch.is_tensor(x):
                 continue
             chosen = _to_partition(x)
-            split = chosen and settings["partition"]
+            split = chosen and settings.partition_activations
             if split:
-                kept = self._partition(x.detach(), floating, settings)
+                kept = self._partition(x, floating, settings)
                 floating += 1
-            elif chosen and settings["cpu"]:
-                kept = x.detach().to("cpu", copy=True)
+            elif chosen and settings.checkpoint_in_cpu:
+                kept = keep_tensor(x, split=False, offload=True)
             else:
                 kept = x
             self.tensors.append(kept)
-            self.slots.append((index, x.shape, x.stride(), x.device, x.requires_grad, split))
+            self.slots.append(InputSlot.of(index, x, split))
         # A graph dropped without backward gives its buffers back too.
         weakref.finalize(self, _give_back_all, list(self.give_back))
 
-    def _partition(self, x: torch.Tensor, position: int, settings: dict[str, Any]):
+    def _partition(self, x: torch.Tensor, position: int, settings: Settings) -> torch.Tensor:
         size, _, group = self.tp
-        if size == 1:
-            chunk = x.reshape(-1).clone()
-        else:
-            chunk = split_tensor_into_1d_equal_chunks(x, new_buffer=True, tp_group=group)
-        where = torch.device("cpu") if settings["cpu"] else chunk.device
-        if settings["contiguous"]:
-            key = (position, chunk.numel(), chunk.dtype, where)
-            buffer, give_back = BUFFERS.take(key, settings["num_layers"])
-            self.give_back.append(give_back)
-            return buffer.copy_(chunk)
-        return chunk.to(where)
+        offload = settings.checkpoint_in_cpu
+        if not settings.contiguous_checkpointing:
+            return keep_tensor(x, split=True, offload=offload, group=group, tp_size=size)
+        chunk = keep_tensor(x, split=True, offload=False, group=group, tp_size=size)
+        where = torch.device("cpu") if offload else chunk.device
+        key = (position, chunk.numel(), chunk.dtype, where)
+        buffer, give_back = BUFFERS.take(key, settings.num_checkpoints)
+        self.give_back.append(give_back)
+        return buffer.copy_(chunk)
 
     def rebuild(self, kept: Sequence[torch.Tensor]) -> list[Any]:
         """The arguments again (gathered, on their devices), detached, with their requires_grad."""
         leaves = list(self.leaves)
         size, _, group = self.tp
-        for (index, shape, stride, where, requires_grad, split), t in zip(self.slots, kept):
-            t = t.to(where)
-            if split:
-                if size > 1:
-                    t = gather_split_1d_tensor(t, numel=shape.numel(), tp_group=group)
-                t = with_strides(t.view(shape), stride)
-            leaves[index] = t.detach().requires_grad_(requires_grad)
+        for slot, t in zip(self.slots, kept):
+            leaves[slot.index] = rebuild_tensor(t, slot, group=group, tp_size=size)
         return leaves
 
     def release(self) -> None:
+        """Give this checkpoint's contiguous buffers back (its backward has read them)."""
         _give_back_all(self.give_back)
 
 

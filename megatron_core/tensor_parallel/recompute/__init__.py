@@ -6,7 +6,8 @@ file one idea:
 * entry_points.py: ``checkpoint`` (reentrant and non-reentrant), ``CheckpointFunction``, the
   options (``Distribute``, ``RecomputeMethod``), ``capture_saved_inputs``, ``is_checkpointing``.
 * saved_inputs.py: what a checkpoint keeps between forward and backward (whole, distributed
-  across the tensor-parallel group, offloaded), and the RNG / autocast replay.
+  across the tensor-parallel group, offloaded; one tensor's keep and rebuild, which
+  deepspeed_checkpointing shares), and the RNG / autocast replay.
 * nonreentrant.py: the saved-tensor-hooks mode (NOTE [ Non-reentrant recompute ]).
 * without_output.py: ``CheckpointWithoutOutput`` (megatron-core's output-discarding recompute).
 * stacks.py: ``checkpoint_layer_stack`` / ``checkpoint_sequential`` (uniform and block methods).

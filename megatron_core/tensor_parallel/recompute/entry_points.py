@@ -30,7 +30,7 @@ autocast replay, checksums), nonreentrant.py, without_output.py.
    chunk zero-padded) and all-gathered to its shape before the recompute, so every rank of the TP
    group must backpropagate through the checkpoint. ``distribute="first"`` (megatron) splits
    ``args[0]``, which must be a tensor; ``"all"`` splits every floating-point tensor input of at
-   least tp elements; ``"every"`` (deepspeed_checkpointing's) every one, however small.
+   least tp elements; ``"every"`` every one, however small (as DeepSpeed partitions).
    Needs the TP group: parallel_state initialized, or ``tp_group=``. A
    distributed input must be equal on every rank of the TP group (replicated, as the hidden states
    between transformer layers are): the gather assembles it from every rank's chunk. Forward
@@ -39,6 +39,9 @@ autocast replay, checksums), nonreentrant.py, without_output.py.
    checkpoint's input. With ``check_determinism`` the gathered input is compared with this
    rank's forward input. Over a one-rank TP group nothing is split: the input is kept as given
    (its one chunk would be a full copy, 2x the input's memory where the caller still holds it).
+   One input's split, offload and rebuild are ``keep_tensor`` / ``rebuild_tensor`` in
+   saved_inputs.py; deepspeed_checkpointing keeps its partitions with them too, choosing the
+   inputs by DeepSpeed's rules (NOTE [ DeepSpeed checkpointing ]).
 4. Offload (``offload_to_cpu=True``). Every kept input (its chunk when distributed: split first)
    is copied to the CPU in forward and back to its device before the gather in backward.
 5. Non-reentrant (``use_reentrant=False``). The function runs once with grad, under

@@ -3,7 +3,9 @@
 Shared by the reentrant checkpoint (entry_points.py), the non-reentrant one
 (nonreentrant.py) and CheckpointWithoutOutput (without_output.py). The rules
 are NOTE [ Checkpoint rules ] in entry_points.py. The checksums of the determinism check live in
-determinism.py (re-exported here).
+determinism.py (re-exported here). One tensor's keeping and rebuilding (:func:`keep_tensor`,
+:class:`InputSlot`, :func:`rebuild_tensor`) also serve deepspeed_checkpointing's saved arguments,
+which choose per tensor what to split and offload and may copy chunks into their own buffers.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class Distribute(str, enum.Enum):
 
     FIRST = "first"  # args[0] only, as megatron-core does
     ALL = "all"  # every floating-point tensor input with at least tp elements
-    EVERY = "every"  # every floating-point tensor input, any size (padded; DeepSpeed's face)
+    EVERY = "every"  # every floating-point tensor input, any size (padded, as DeepSpeed's)
 
 
 @dataclass(frozen=True)
@@ -94,17 +96,31 @@ class CheckpointOptions:
 
 
 @dataclass(frozen=True)
-class _Slot:
-    """How one tensor input is kept and how to rebuild it."""
+class InputSlot:
+    """How one tensor input is kept and how to rebuild it (rules 1, 3, 4)."""
 
     index: int  # position among the flattened inputs
     shape: torch.Size
     device: torch.device
     requires_grad: bool
     split: bool  # kept as this rank's 1-D chunk (rule 3)
-    version: int | None  # _version when kept as given (non-reentrant checks it; rule 1)
-    fingerprint: Fingerprint | None  # of a split input, with check_determinism (rule 6)
-    stride: tuple[int, ...] = ()  # the input's layout, restored after the gather (rule 3)
+    stride: tuple[int, ...]  # the input's layout, restored after the gather (rule 3)
+    version: int | None = None  # _version when kept as given (non-reentrant checks it; rule 1)
+    fingerprint: Fingerprint | None = None  # of a split input, with check_determinism (rule 6)
+
+    @classmethod
+    def of(
+        cls,
+        index: int,
+        x: torch.Tensor,
+        split: bool,
+        version: int | None = None,
+        fingerprint: Fingerprint | None = None,
+    ) -> InputSlot:
+        """The slot of input ``x`` at ``index``: its shape, device, requires_grad and layout."""
+        return cls(
+            index, x.shape, x.device, x.requires_grad, split, x.stride(), version, fingerprint
+        )
 
 
 _CAPTURES: list[list[SavedInputs]] = []
@@ -128,7 +144,7 @@ class SavedInputs:
     def __init__(self, leaves: Sequence[Any], options: CheckpointOptions, version_check: bool):
         self.options = options
         self.leaves = [None if torch.is_tensor(x) else x for x in leaves]
-        self.slots: list[_Slot] = []
+        self.slots: list[InputSlot] = []
         self.tensors: list[Any] | None = []
         # Set by the reentrant checkpoint to read ctx.saved_tensors. Never a closure over self:
         # that cycle kept every input alive until the garbage collector ran.
@@ -141,23 +157,17 @@ class SavedInputs:
             found.append(self)
 
     def _keep(self, index: int, x: torch.Tensor, split: bool, version_check: bool) -> None:
-        kept = x.detach()
+        offload = self.options.offload_to_cpu
         if split:  # See NOTE [ Checkpoint rules ], rule 3: agreed, then a chunk copy.
-            self._agree_distributed(kept)
-            kept = split_tensor_into_1d_equal_chunks(kept, new_buffer=True, group=self.group)
-        if self.options.offload_to_cpu:  # rule 4: split first, then offload the chunk
-            kept = kept.to("cpu", copy=not split)  # a chunk is already a fresh buffer
-        as_given = not split and not self.options.offload_to_cpu
+            self._agree_distributed(x.detach())
+        kept = keep_tensor(x, split=split, offload=offload, group=self.group)
+        as_given = not split and not offload
         version = x._version if as_given and version_check else None
         self.tensors.append(x if as_given and not version_check else kept)
         name = f"distributed input #{len(self.slots)} ({tensor_name(x)})"
         check = split and self.options.check_determinism
         fingerprint = Fingerprint.of(x, name, values=True) if check else None
-        self.slots.append(
-            _Slot(
-                index, x.shape, x.device, x.requires_grad, split, version, fingerprint, x.stride()
-            )
-        )
+        self.slots.append(InputSlot.of(index, x, split, version, fingerprint))
 
     def _agree_distributed(self, x: torch.Tensor) -> None:
         """Rule 3: agree ``x`` (shape, dtype, checksum) across the TP group when the consistency
@@ -189,13 +199,7 @@ class SavedInputs:
                     "new values. Pass a clone (checkpoint(fn, ..., x.clone())) or make the change "
                     "out of place (NOTE [ Checkpoint rules ], rule 1)"
                 )
-            if kept.device != slot.device:
-                kept = kept.to(slot.device)
-            if slot.split:
-                kept = gather_split_1d_tensor(kept, numel=slot.shape.numel(), group=self.group)
-                kept = with_strides(kept.view(slot.shape), slot.stride)
-                _check_gathered(slot, kept, self.group)
-            leaves[slot.index] = kept.detach().requires_grad_(slot.requires_grad)
+            leaves[slot.index] = rebuild_tensor(kept, slot, group=self.group)
         return leaves
 
     def nbytes(self) -> int:
@@ -206,6 +210,60 @@ class SavedInputs:
                 storage = t.untyped_storage()
                 storages[(storage.device, storage.data_ptr())] = storage.nbytes()
         return sum(storages.values())
+
+
+def keep_tensor(
+    x: torch.Tensor,
+    *,
+    split: bool,
+    offload: bool,
+    group: dist.ProcessGroup | None = None,
+    tp_size: int | None = None,
+) -> torch.Tensor:
+    """``x`` detached as a checkpoint keeps it until backward (rules 3, 4); ``x`` is not changed.
+
+    Args:
+        x: the input.
+        split: keep this rank's 1-D chunk of ``x`` over ``group`` (a new tensor).
+        offload: keep it on the CPU (the chunk when split: split first, then offload; a copy).
+        group: the group to split over; None means parallel_state's TP group.
+        tp_size: the size of the group when the caller knows it; 1 keeps the whole of ``x``
+            flattened (a copy) and needs no group. Pass the same to :func:`rebuild_tensor`.
+
+    Returns:
+        ``x.detach()`` itself when neither splitting nor offloading, else a new tensor.
+    """
+    kept = x.detach()
+    if split and tp_size == 1:
+        kept = kept.reshape(-1).clone()
+    elif split:
+        kept = split_tensor_into_1d_equal_chunks(kept, new_buffer=True, group=group)
+    if offload:
+        kept = kept.to("cpu", copy=not split)  # a chunk is already a fresh buffer
+    return kept
+
+
+def rebuild_tensor(
+    kept: torch.Tensor,
+    slot: InputSlot,
+    *,
+    group: dist.ProcessGroup | None = None,
+    tp_size: int | None = None,
+) -> torch.Tensor:
+    """The input of ``slot`` again from what :func:`keep_tensor` kept (rules 3, 4).
+
+    Moved back to the input's device; a split input gathered over ``group`` (every rank of it
+    must call this; not with ``tp_size`` 1), given its shape and layout back, and checked with
+    its fingerprint. Returned detached, with the input's ``requires_grad``.
+    """
+    if kept.device != slot.device:
+        kept = kept.to(slot.device)
+    if slot.split:
+        if tp_size != 1:
+            kept = gather_split_1d_tensor(kept, numel=slot.shape.numel(), group=group)
+        kept = with_strides(kept.view(slot.shape), slot.stride)
+        _check_gathered(slot, kept, group)
+    return kept.detach().requires_grad_(slot.requires_grad)
 
 
 def with_strides(t: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
@@ -226,7 +284,9 @@ def with_strides(t: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
         return t
 
 
-def _check_gathered(slot: _Slot, gathered: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+def _check_gathered(
+    slot: InputSlot, gathered: torch.Tensor, group: dist.ProcessGroup | None
+) -> None:
     """With check_determinism: the gathered input must be this rank's forward input (rule 3).
 
     The ranks agree on the outcome first (one all-reduce over the TP group), so either every rank
