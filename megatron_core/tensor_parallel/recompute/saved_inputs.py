@@ -77,7 +77,7 @@ class Distribute(str, enum.Enum):
 
 @dataclass(frozen=True)
 class CheckpointOptions:
-    """A checkpoint call's settings, validated by checkpointing.checkpoint.
+    """A checkpoint call's settings, validated by entry_points.checkpoint.
 
     Attributes:
         distribute: which inputs to split (rule 3), or None to keep them whole.
