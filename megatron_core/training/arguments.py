@@ -116,8 +116,8 @@ _ARGUMENTS = [
                 None,
                 {"type": str},
                 "plan the recompute per layer to fit this many bytes per rank (2GiB, 512MB, 80%% "
-                "of the device's memory): the fastest plan whose predicted peak fits; "
-                "not with --recompute-granularity or pipeline parallelism",
+                "of the device's memory): the fastest plan whose predicted peak fits, per "
+                "pipeline stage; not with --recompute-granularity or interleaving",
             ),
             (
                 "--device",
@@ -337,10 +337,11 @@ def _check_memory_budget(args: argparse.Namespace) -> None:
             f"--memory-budget ({budget}) chooses the recompute itself: drop "
             f"--recompute-granularity ({args.recompute_granularity})"
         )
-    if args.pipeline_model_parallel_size > 1:
+    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
         raise MegatronCoreError(
-            f"--memory-budget ({budget}) with --pipeline-model-parallel-size "
-            f"({args.pipeline_model_parallel_size}): the planner plans one stage at PP = 1 only"
+            f"--memory-budget ({budget}) with --num-layers-per-virtual-pipeline-stage "
+            f"({args.num_layers_per_virtual_pipeline_stage}): the planner does not model the "
+            "interleaved schedule yet (1F1B without it is planned per stage)"
         )
 
 

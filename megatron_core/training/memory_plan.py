@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
+from megatron_core import device, parallel_state
 from megatron_core.tensor_parallel.recompute.plan import RecomputePlan, plan_recompute
 from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline, model_state_bytes
 from megatron_core.training.data import ByteCorpus, get_batch
@@ -31,15 +34,39 @@ def plan_to_budget(
     the lines to print. Collective: every rank calls it."""
     tokens, labels = get_batch(corpus, args, step, 0)
     mixed = isinstance(optimizer, MixedPrecisionOptimizer)
-    num_microbatches = max(1, args.global_batch_size // args.micro_batch_size)
+    dp = parallel_state.get_data_parallel_world_size()
+    num_microbatches = max(1, args.global_batch_size // (args.micro_batch_size * dp))
 
     def forward():
-        loss = model(tokens, labels).mean() / num_microbatches
+        if args.pipeline_model_parallel_size > 1 and not model.pre_process:
+            model.set_input_tensor(_stage_input(model, args, tokens))
+        output = model(
+            tokens if getattr(model, "pre_process", True) else None,
+            labels if getattr(model, "post_process", True) else None,
+        )
+        if not getattr(model, "post_process", True):  # a stage before the last (rule 3)
+            return (output * torch.ones_like(output)).sum()
+        loss = output.mean() / num_microbatches
         return optimizer.scale_loss(loss) if mixed else loss
 
-    plan = plan_recompute(model, forward, args.memory_budget, optimizer)
+    plan = plan_recompute(
+        model, forward, args.memory_budget, optimizer, microbatches=num_microbatches
+    )
     plan.apply(model)
     return plan, str(plan).splitlines()
+
+
+def _stage_input(model, args: argparse.Namespace, tokens: torch.Tensor) -> torch.Tensor:
+    """What a pipeline stage after the first receives for one microbatch: [s, b, h] hidden
+    states (the sequence split over context, and over tensor ranks under sequence
+    parallelism), in the pipeline's dtype, on this rank's device."""
+    config = model.config
+    seq = tokens.shape[1]  # this rank's share of the context-parallel split already
+    if config.sequence_parallel:
+        seq //= config.tensor_model_parallel_size
+    dtype = config.pipeline_dtype or torch.float32
+    shape = (seq, tokens.shape[0], config.hidden_size)
+    return torch.randn(shape, dtype=dtype, device=device.current_device(), requires_grad=True)
 
 
 def measured_iteration(train_step, model, optimizer, plan: RecomputePlan) -> tuple[object, str]:

@@ -39,7 +39,18 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    head_left + K_j + U_j + bwd_{o_j}`` (layer j's backward: layers after j have freed what
    they kept) and the tail after layer 0's backward. Layers of one block are alike: an
    option's kept and left bytes are the means over the probed layers, its forward and backward
-   peaks the largest. Where it can be wrong: a forward
+   peaks the largest. With m > 1 microbatches a step has two kinds of them: the first, as
+   above, and the later ones, which run with every gradient G already allocated (the
+   ``.grad`` tensors the first backward made, counted from the parameters) and leave nothing
+   new behind their layers' backward (u counts 0): G plus that microbatch's peak. Under 1F1B
+   pipeline parallelism stage i of p holds w = min(p - i, m) microbatches at once
+   (:func:`in_flight_microbatches`): each of the w - 1 others keeps ``pre + K_{L-1}``, added to
+   both kinds. A stage is probed alone: its ``forward`` makes the stage's input itself (a
+   stage after the first) and returns the output times a gradient-shaped tensor, summed (a
+   stage before the last), so one probe measures what one microbatch keeps there; the
+   schedule's own buffers (received gradients, sends in flight) are not probed, and the
+   headroom keeps 5% more on a stage that holds several microbatches (rule 5; measured up
+   to 4.4% under the prediction on two CPU stages). Where it can be wrong: a forward
    whose allocations depend on the data, allocator caching and fragmentation on CUDA
    (``max_memory_allocated`` counts live tensors, not reserved memory), autocast's weight-cast
    cache (held to the end of the forward, whatever recomputes), timing noise.
@@ -50,7 +61,9 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    little between options: gradients are the same); the chosen plan's own prediction is
    exact, and at most the bound. Without that bound the search would be exact. The states
    per layer are at most the distinct sums of L options' k (a few thousand for the layer
-   counts and option sets here).
+   counts and option sets here). Rule 3's other microbatches and gradients grow with the
+   final K: a state is dropped when even its kept-so-far breaks the limit with them (the
+   final K is at least that), and each finished plan is checked against its exact prediction.
    No plan fits: the error names the smallest budget that fits (a bisection over the budget)
    and what that plan recomputes.
 5. Agreement. Ranks probe their own step; each rank's predicted peak with each option on every
@@ -61,7 +74,9 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    error, naming the option and the range. The plan then uses the largest of every byte
    number and the slowest times, so every rank computes the same plan, and keeps a headroom
    below the budget: the ranks' (and runs') largest difference plus 2% of the budget, or 0.1%
-   where the probes showed no difference (:func:`headroom`).
+   where the probes showed no difference, plus 5% on a pipeline stage holding several
+   microbatches (:func:`headroom`). The ranks that agree are those of one pipeline stage (its
+   tensor x data x context parallel group): each stage has its own plan.
    With several ranks on the CPU (gloo's overlapped collectives, the sequence-parallel
    all-gathers above all, free their buffers at times that vary between runs, by up to ~15% of
    a small model's peak) every option is probed three times, the largest of each number is
@@ -72,8 +87,9 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    those that fits by the same prediction, as TransformerConfig fields, with its predicted peak
    and overhead beside the per-layer plan's.
    (The prediction and the search live in plan_search.py, the measuring in plan_probe.py.)
-7. Scope. One pipeline stage at PP = 1 (a layout with PP > 1 is refused by name: its stage holds
-   several microbatches, which this probe does not model yet), any TP, SP, CP, precision.
+7. Scope. Any TP, SP, CP, precision; PP with the 1F1B schedule, each stage planned for its
+   own layers. The interleaved schedule (virtual pipeline stages: a stage holds several
+   chunks' microbatches in an order this model does not follow yet) is refused by name.
 """
 
 from __future__ import annotations
@@ -85,7 +101,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_core import device
+from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.random import get_rng_snapshot, set_rng_snapshot
 from megatron_core.tensor_parallel.recompute.plan_probe import (
@@ -118,6 +134,7 @@ __all__ = [
     "search_plan",
     "smallest_fit",
     "plan_recompute",
+    "in_flight_microbatches",
 ]
 
 _MiB = 1 << 20
@@ -204,11 +221,12 @@ def measure_stage(
 
     (block,) = _find_blocks(model)
     config = block.config
-    if config.pipeline_model_parallel_size > 1:
+    if config.virtual_pipeline_model_parallel_size is not None:
         raise MegatronCoreError(
-            "recompute planner: pipeline_model_parallel_size "
-            f"({config.pipeline_model_parallel_size}) > 1 is not supported yet (a stage holds "
-            "several microbatches' activations under 1F1B); plan at PP = 1"
+            "recompute planner: virtual_pipeline_model_parallel_size "
+            f"({config.virtual_pipeline_model_parallel_size}): the interleaved schedule is not "
+            "supported yet (its stages hold several chunks' microbatches); plan without "
+            "interleaving"
         )
     layers = len(block.layers)
     if layers < 2:
@@ -270,31 +288,47 @@ def _stage_numbers(model, optimizer, probes: dict, options, layers: int) -> list
         max(none["head"][1], none[f"g{layers - 1}"][1]) - last,  # head
         none[f"g{layers - 1}"][0] - last,  # head_left
         none["end"][1] - none["g-1"][0],  # tail
+        _gradient_bytes(model),  # grads: what a step's backward allocates and keeps
     ]
     for option in options:
         numbers += _option_numbers(probes[option], layers)
     return numbers
 
 
+def _gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the ``.grad`` tensors a backward creates: the parameters that require one and
+    accumulate into neither an existing ``.grad`` nor a ``main_grad`` buffer (those count as
+    model states)."""
+    return sum(
+        p.numel() * p.element_size()
+        for p in model.parameters()
+        if p.requires_grad and p.grad is None and getattr(p, "main_grad", None) is None
+    )
+
+
 def _stage(layers, options, numbers, extra, step_ms=0.0, spread=0) -> StageMeasure:
     measures = {
-        option: OptionMeasure(*numbers[5 + 4 * i : 9 + 4 * i], extra[i])
+        option: OptionMeasure(*numbers[6 + 4 * i : 10 + 4 * i], extra[i])
         for i, option in enumerate(options)
     }
-    return StageMeasure(layers, *numbers[:5], step_ms, measures, spread)
+    static, pre, head, head_left, tail, grads = numbers[:6]
+    return StageMeasure(
+        layers, static, pre, head, head_left, tail, step_ms, measures, spread, grads=grads
+    )
 
 
 def _agree(numbers: list[int], peaks: list[int], options: Sequence[str]) -> tuple[list, int]:
     """Rule 5: every rank's predicted peak of each option on all layers within 25% of the
     others'; then the largest of each number, on every rank, and the headroom's spread: the
     largest run-to-run variation (``peaks``' last entry) plus the ranks' largest difference."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    group = _stage_group()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return numbers, int(peaks[len(options)])
     where = device.current_device()
     high = torch.tensor(peaks + numbers, dtype=torch.float64, device=where)
     low = high.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
     variation = int(high[len(options)].item())  # the largest run-to-run variation of a rank
     spread = 0
     for option, hi, lo in zip(options, high.tolist(), low.tolist()):
@@ -309,12 +343,31 @@ def _agree(numbers: list[int], peaks: list[int], options: Sequence[str]) -> tupl
 
 
 def _slowest(times: list[float]) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    group = _stage_group()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return times
     where = device.current_device()
     values = torch.tensor(times, dtype=torch.float64, device=where)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return values.tolist()
+
+
+def in_flight_microbatches(microbatches: int) -> int:
+    """Microbatches whose activations this rank's pipeline stage holds at once under 1F1B
+    (NOTE [ Recompute planner ], rule 3): min(pp - stage, microbatches); 1 without pipeline
+    parallelism."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return min(pp - parallel_state.get_pipeline_model_parallel_rank(), microbatches)
+
+
+def _stage_group():
+    """The ranks that share this rank's pipeline stage (tensor x data x context parallel), which
+    agree on one plan (rule 5); the default group where parallel_state is not initialized."""
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    return None
 
 
 def _megatron_candidates(stage: StageMeasure) -> list[tuple[dict, list[str]]]:
@@ -377,6 +430,10 @@ class RecomputePlan:
             f"microbatch over {self.step_ms:.2f} ms without recompute"
         )
         lines.append(f"  model states {stage.static / _MiB:,.1f} MiB")
+        if stage.microbatches > 1:
+            lines.append(
+                f"  microbatches {stage.microbatches} per step, {stage.in_flight} held at once"
+            )
         lines.append("  | layer | recompute | kept (MiB) | extra (ms) |")
         lines.append("  |---|---|---|---|")
         for j, choice in enumerate(self.choices):
@@ -404,15 +461,19 @@ def plan_recompute(
     activations_only: bool = False,
     options: Sequence[str] | None = None,
     repeats: int = 3,
+    microbatches: int = 1,
 ) -> RecomputePlan:
     """Probe ``model`` and choose per layer the recompute with the least predicted time whose
     predicted peak fits ``budget`` (NOTE [ Recompute planner ]).
 
     Args:
-        model: a module holding one TransformerBlock (our GPTModel), in training mode, on this
-            rank's device; every rank of the layout calls this together (collectives).
-        forward: runs one microbatch's forward and returns its scalar loss (what ``backward``
-            is called on), as the training loop does it (autocast, loss scaling included).
+        model: a module holding one TransformerBlock (our GPTModel, or one pipeline stage's
+            chunk of it), in training mode, on this rank's device; every rank of the layout
+            calls this together (collectives within each pipeline stage).
+        forward: runs one microbatch's forward and returns a scalar whose backward is the
+            step's, as the training loop does it (autocast, loss scaling included): the loss;
+            on a pipeline stage without the loss, e.g. the output times a gradient-shaped
+            tensor, summed, and the stage's input made inside ``forward`` (rule 3).
         budget: bytes per rank (:func:`parse_memory_budget`: "2GiB", "80%", an int).
         optimizer: the optimizer whose states count towards the model states (before its
             first step, what they will take: ``pending_optimizer_state_bytes``), or None.
@@ -420,6 +481,8 @@ def plan_recompute(
         activations_only: the budget bounds the step's peak above the model states only.
         options: the options to weigh (default :func:`candidate_options`).
         repeats: timed steps per option.
+        microbatches: microbatches per step (gradient accumulation; under pipeline
+            parallelism the schedule's microbatches: 1F1B holds up to pp - stage of them).
 
     Raises:
         MegatronCoreError: a budget that is not a size, a layout the planner cannot probe,
@@ -428,10 +491,15 @@ def plan_recompute(
     """
     limit_total = parse_memory_budget(budget)
     rng = get_rng_snapshot()  # the probe steps' dropout draws leave the training's streams be
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise MegatronCoreError(f"recompute planner: microbatches ({microbatches!r}) must be >= 1")
     try:
         stage = measure_stage(model, forward, optimizer, options, repeats)
     finally:
         set_rng_snapshot(rng)
+    stage = dataclasses.replace(
+        stage, microbatches=microbatches, in_flight=in_flight_microbatches(microbatches)
+    )
     static = 0 if activations_only else stage.static
     limit = limit_total - static - headroom(stage, limit_total)
     found = search_plan(stage, limit)

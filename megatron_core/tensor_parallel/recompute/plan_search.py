@@ -45,18 +45,36 @@ class StageMeasure:
     step_ms: float
     options: dict[str, OptionMeasure]
     spread: int = 0  # run-to-run and rank-to-rank differences of a uniform plan's peak (rule 5)
+    grads: int = 0  # what a whole step leaves allocated: the gradients (rule 3's steady state)
+    microbatches: int = 1  # microbatches of a step on this stage
+    in_flight: int = 1  # microbatches whose activations the stage holds at once (rule 3)
 
 
 def headroom(stage: StageMeasure, budget: int) -> int:
     """Bytes the search keeps free below the budget (rule 5): the ranks' and runs' spread plus
     2% of the budget where there was a spread (what one run's numbers cannot show of another's),
-    else 0.1% (one rank whose probes repeat exactly: a GPU, or one CPU process)."""
-    return stage.spread + budget // (50 if stage.spread else 1000)
+    else 0.1% (one rank whose probes repeat exactly: a GPU, or one CPU process); 5% more on a
+    pipeline stage holding several microbatches (the schedule's own buffers, rule 3)."""
+    room = stage.spread + budget // (50 if stage.spread else 1000)
+    return room + (budget // 20 if stage.in_flight > 1 else 0)
 
 
 def predict_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
     """The step's predicted peak bytes above the model states under per-layer ``choices``
-    (NOTE [ Recompute planner ], rule 3)."""
+    (NOTE [ Recompute planner ], rule 3): the first microbatch's backward, and with more
+    microbatches the later ones' (the gradients allocated throughout), each beside the
+    other microbatches the schedule holds at once."""
+    kept = sum(stage.options[c].kept for c in choices)
+    others = (stage.in_flight - 1) * (stage.pre + kept)
+    peak = others + _microbatch_peak(stage, choices, steady=False)
+    if stage.microbatches > 1:
+        peak = max(peak, others + stage.grads + _microbatch_peak(stage, choices, steady=True))
+    return peak
+
+
+def _microbatch_peak(stage: StageMeasure, choices: Sequence[str], steady: bool) -> int:
+    """One microbatch's peak above what was allocated before it; ``steady``: the gradients
+    exist already (a later microbatch), so a layer's backward leaves nothing new behind."""
     peak, kept = 0, 0
     for choice in choices:
         option = stage.options[choice]
@@ -67,7 +85,7 @@ def predict_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
     for choice in reversed(choices):
         option = stage.options[choice]
         peak = max(peak, live + option.backward)
-        live += option.left - option.kept
+        live += (0 if steady else option.left) - option.kept
     return max(peak, live + stage.tail)
 
 
@@ -81,6 +99,7 @@ def search_plan(stage: StageMeasure, limit: int) -> tuple[list[str], int, float]
     (NOTE [ Recompute planner ], rule 4)."""
     layers, pre = stage.layers, stage.pre
     most_left = max(o.left for o in stage.options.values())
+    grads = stage.grads if stage.microbatches > 1 else 0
     # state: kept bytes so far -> (overhead, choices)
     states: dict[int, tuple[float, tuple[str, ...]]] = {0: (0.0, ())}
     for j in range(layers):
@@ -89,8 +108,11 @@ def search_plan(stage: StageMeasure, limit: int) -> tuple[list[str], int, float]
         for kept, (cost, choices) in states.items():
             for name, option in stage.options.items():
                 total = kept + option.kept
-                forward = pre + kept + option.forward
-                backward = pre + stage.head_left + total + after_j + option.backward
+                # the other microbatches held keep at least what this one kept so far (rule 4)
+                others = (stage.in_flight - 1) * (pre + total)
+                forward = others + grads + pre + kept + option.forward
+                backward = others + pre + stage.head_left + total + option.backward
+                backward += max(after_j, grads)
                 if forward > limit or backward > limit:
                     continue
                 if total not in grown or cost + option.extra_ms < grown[total][0]:
@@ -98,11 +120,13 @@ def search_plan(stage: StageMeasure, limit: int) -> tuple[list[str], int, float]
         states = _pareto(grown)
     best = None
     for kept, (cost, choices) in states.items():
+        others = (stage.in_flight - 1) * (pre + kept)
         bounded_tail = pre + stage.head_left + layers * most_left + stage.tail
-        if max(pre + kept + stage.head, bounded_tail) > limit:
+        if others + max(pre + kept + stage.head + grads, bounded_tail) > limit:
             continue
-        if best is None or cost < best[2]:
-            best = (list(choices), predict_peak(stage, choices), cost)
+        peak = predict_peak(stage, choices)
+        if peak <= limit and (best is None or cost < best[2]):
+            best = (list(choices), peak, cost)
     return best
 
 

@@ -112,6 +112,94 @@ def test_predicted_peak_matches_the_allocator_and_fits_the_budget(
         )  # fmt: skip
 
 
+def _stage_model(pp, microbatches, layers=4, seq=64, hidden=32):
+    """This rank's stage of our GPT (the main job's pipeline build), its probe forward (rule 3:
+    a stage without the loss returns its output times a gradient-shaped tensor, summed; a
+    stage after the first makes its input inside), and a real step of the schedule."""
+    from megatron_core.pipeline_parallel import get_forward_backward_func
+    from megatron_core.training.pipeline_step import build_pipeline_model
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(5)
+    config = TransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=4,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        hidden_dropout=0.1, attention_dropout=0.1,
+    )  # fmt: skip
+    chunk = build_pipeline_model(config, VOCAB, seq)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+    labels = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+
+    def forward():
+        if not chunk.pre_process:
+            chunk.set_input_tensor(torch.randn(seq, BATCH, hidden, requires_grad=True))
+        out = chunk(tokens if chunk.pre_process else None, labels if chunk.post_process else None)
+        return out.mean() if chunk.post_process else (out * torch.ones_like(out)).sum()
+
+    def forward_step(iterator, model):
+        next(iterator)
+        out = model(tokens if model.pre_process else None, labels if model.post_process else None)
+        return out, lambda o: (o.mean(), {"loss": o.mean().detach()})
+
+    def step():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(range(microbatches)), model=chunk,
+            num_microbatches=microbatches, seq_length=seq, micro_batch_size=BATCH,
+        )  # fmt: skip
+
+    return chunk, forward, step
+
+
+def _schedule_plans_against_measurement(pp, microbatches):
+    import dataclasses
+
+    from megatron_core.tensor_parallel.recompute.plan import in_flight_microbatches
+    from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
+
+    chunk, forward, step = _stage_model(pp, microbatches)
+    stage = measure_stage(chunk, forward, repeats=1)
+    in_flight = in_flight_microbatches(microbatches)
+    stage = dataclasses.replace(stage, microbatches=microbatches, in_flight=in_flight)
+    layers = stage.layers
+    none_peak = predict_peak(stage, ["none"] * layers)
+    smallest, _ = smallest_fit(stage)
+    smallest += headroom(stage, 2 * smallest)
+    rows = []
+    limits = [none_peak + headroom(stage, 2 * none_peak)]
+    limits += [int(smallest + share * (none_peak - smallest)) for share in (0.5, 0)]
+    for limit in limits:
+        choices, predicted, _ = search_plan(stage, limit - headroom(stage, limit))
+        chunk.decoder.set_layer_recompute(choices)
+        chunk.zero_grad(set_to_none=True)
+        timeline = MemoryTimeline()
+        with timeline:
+            step()
+            timeline.mark("end")
+        chunk.zero_grad(set_to_none=True)
+        rows.append((limit, choices, predicted, timeline.as_dict()["end"][1]))
+    return in_flight, rows
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, 4), (1, 3)])
+def test_the_schedule_s_microbatches_are_predicted_and_fit_the_budget(pp, microbatches):
+    # NOTE [ Recompute planner ], rule 3: under 1F1B stage i holds min(pp - i, m) microbatches'
+    # activations; after the first microbatch's backward the gradients stay allocated. The
+    # measured peak is that of a whole step of the schedule (every microbatch, every stage).
+    results = run_distributed(_schedule_plans_against_measurement, pp, pp, microbatches,
+                              timeout=300)  # fmt: skip
+    assert [in_flight for in_flight, _ in results] == [min(pp - r, microbatches) for r in range(pp)]
+    for _, rows in results:
+        assert rows[0][1] == ["none"] * len(rows[0][1])  # the no-recompute peak fits
+        assert rows[-1][1] != rows[0][1]  # the smallest budget needs recompute
+        for limit, choices, predicted, measured in rows:
+            assert measured <= limit, (choices, measured, limit)
+            under, over = (0.10, 0.25) if pp > 1 else (0.05, 0.05)
+            assert -under * measured <= predicted - measured <= over * measured, (
+                choices, predicted, measured,
+            )  # fmt: skip
+
+
 def _plan_with_budget(budget, activations_only=True):
     model, tokens, labels = _model()
     plan = plan_recompute(
@@ -170,13 +258,16 @@ def test_budget_sizes():
 
 
 def _refused(kind):
-    if kind == "pp":
-        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    if kind == "vp":
+        parallel_state.initialize_model_parallel(
+            pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+        )
         model_parallel_cuda_manual_seed(5)
         config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4,
                                    pipeline_model_parallel_size=2,
+                                   virtual_pipeline_model_parallel_size=2,
                                    pipeline_dtype=torch.float32)  # fmt: skip
-        model = GPTModel(config, VOCAB, 64, pre_process=True, post_process=False)
+        model = GPTModel(config, VOCAB, 64, pre_process=True, post_process=False, vp_stage=0)
         forward = lambda: model(torch.zeros(BATCH, 64, dtype=torch.long)).sum()  # noqa: E731
     else:
         model, tokens, labels = _model()
@@ -201,7 +292,8 @@ def _refused(kind):
 @pytest.mark.parametrize(
     "kind, world, message",
     [
-        ("pp", 2, r"pipeline_model_parallel_size \(2\) > 1 is not supported yet"),
+        ("vp", 2, r"virtual_pipeline_model_parallel_size \(2\): the interleaved schedule is "
+                  r"not supported yet"),
         ("eval", 1, r"the model must be in training mode"),
         ("disagree", 2, r"probe steps disagree: with 'none' on every layer their peaks range "
                         r"from [\d,]+ to [\d,]+ bytes"),  # fmt: skip
