@@ -583,7 +583,11 @@ def _new_group_lists(rank_lists_by_rank):
 def test_new_group_with_a_rank_list_per_rank_is_refused_on_every_rank():
     # megatron-core 0.19's test_expert_all_gather_group passes each rank its expert-dp list:
     # NCCL lets it pass (lazy), gloo would wait forever; the CPU mode raises on every rank.
-    for said in run_distributed(_new_group_lists, 2, [[0], [1]]):
+    for said in run_distributed(_new_group_lists, 2, [[0, 1], [1]]):
         assert said["same"] == "ok" and said["local"] == "ok"
         assert "different rank lists" in said["own"]
-        assert "rank 0: [0]; rank 1: [1]" in said["own"]
+        assert "rank 0: [0, 1]; rank 1: [1]" in said["own"]
+    # a list of one rank each connects nobody (megatron-core's embedding groups of a one-stage
+    # pipeline, built per rank): gloo does not wait, so it passes
+    for said in run_distributed(_new_group_lists, 2, [[0], [1]]):
+        assert said == {"same": "ok", "local": "ok", "own": "ok"}
