@@ -383,9 +383,9 @@ def _save_twice_second_fails(directory: str, failure: str):
     argv = _argv(train_iters=4, save=directory, save_interval=2, tensor_model_parallel_size=1)
     from torch.distributed.checkpoint import filesystem
 
-    from megatron_core.training import loop
+    from megatron_core.training import resume  # the main job's save/resume
 
-    original, create_stream = loop.save_checkpoint, filesystem.FileSystem.create_stream
+    original, create_stream = resume.save_checkpoint, filesystem.FileSystem.create_stream
     calls = []
 
     def second_save_fails(*args, **kwargs):
@@ -394,13 +394,13 @@ def _save_twice_second_fails(directory: str, failure: str):
             _failing_writer(failure)
         return original(*args, **kwargs)
 
-    loop.save_checkpoint = second_save_fails
+    resume.save_checkpoint = second_save_fails
     try:
         train(parse_args(argv))
     except MegatronCoreError as exc:
         return str(exc)
     finally:  # these workers serve later tests
-        loop.save_checkpoint, filesystem.FileSystem.create_stream = original, create_stream
+        resume.save_checkpoint, filesystem.FileSystem.create_stream = original, create_stream
     return None
 
 
