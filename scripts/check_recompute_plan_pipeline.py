@@ -1,0 +1,118 @@
+"""The recompute planner's prediction on pipeline stages against a real step of the schedule.
+
+Two gloo CPU ranks, our GPT split over two 1F1B pipeline stages (the main job's pipeline
+build), ``--microbatches`` per step. Each stage probes its own layers (its ``forward`` as
+NOTE [ Recompute planner ], rule 3 says), then for every option on all of its layers the
+predicted peak (the stage holding min(pp - stage, m) microbatches, the later microbatches with
+every gradient allocated) is printed beside the peak of one whole step of the schedule with
+that option (MemoryTimeline: the profiler's allocator events), both above the model states.
+
+    python scripts/check_recompute_plan_pipeline.py
+    python scripts/check_recompute_plan_pipeline.py --microbatches 8 --layers 8 --seq 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _ranks import run_ranks  # noqa: E402
+
+_KiB = 1 << 10
+_VOCAB, _BATCH = 128, 2
+
+
+def _rank(rank: int, args, port: int, queue) -> None:
+    from megatron_core import parallel_state
+    from megatron_core.pipeline_parallel import get_forward_backward_func
+    from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron_core.tensor_parallel.recompute.plan import (
+        in_flight_microbatches,
+        measure_stage,
+        predict_peak,
+    )
+    from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
+    from megatron_core.training.pipeline_step import build_pipeline_model
+    from megatron_core.transformer import TransformerConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(5)
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
+        pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+        hidden_dropout=0.1, attention_dropout=0.1,
+    )  # fmt: skip
+    chunk = build_pipeline_model(config, _VOCAB, args.seq)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, _VOCAB, (_BATCH, args.seq), generator=gen)
+    labels = torch.randint(0, _VOCAB, (_BATCH, args.seq), generator=gen)
+    first, last = chunk.pre_process, chunk.post_process
+
+    def forward():  # NOTE [ Recompute planner ], rule 3: one microbatch of this stage alone
+        if not first:
+            chunk.set_input_tensor(torch.randn(args.seq, _BATCH, args.hidden, requires_grad=True))
+        out = chunk(tokens if first else None, labels if last else None)
+        return out.mean() if last else (out * torch.ones_like(out)).sum()
+
+    def forward_step(iterator, model):
+        next(iterator)
+        out = model(tokens if first else None, labels if last else None)
+        return out, lambda o: (o.mean(), {"loss": o.mean().detach()})
+
+    stage = measure_stage(chunk, forward, repeats=1)
+    m = args.microbatches
+    stage = dataclasses.replace(stage, microbatches=m, in_flight=in_flight_microbatches(m))
+    rows = []
+    for option in stage.options:
+        choices = [option] * stage.layers
+        chunk.decoder.set_layer_recompute(choices)
+        chunk.zero_grad(set_to_none=True)
+        timeline = MemoryTimeline()
+        with timeline:
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(range(m)), model=chunk,
+                num_microbatches=m, seq_length=args.seq, micro_batch_size=_BATCH,
+            )  # fmt: skip
+            timeline.mark("end")
+        chunk.zero_grad(set_to_none=True)
+        measured = timeline.as_dict()["end"][1]
+        rows.append((rank, stage.in_flight, option, predict_peak(stage, choices), measured))
+    gathered = [None, None] if rank == 0 else None
+    dist.gather_object(rows, gathered, dst=0)
+    if rank == 0:
+        queue.put([row for part in gathered for row in part])
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=4)
+    args = parser.parse_args(argv)
+    rows = run_ranks(_rank, 2, args)
+    print(f"two 1F1B stages, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
+          f"batch {_BATCH}, {args.microbatches} microbatches (CPU, gloo, fp32)")  # fmt: skip
+    print("| stage | held at once | option (every layer) | predicted KiB | measured KiB | error |")
+    print("|---|---|---|---|---|---|")
+    for rank, held, option, predicted, measured in rows:
+        error = (predicted - measured) / measured
+        print(f"| {rank} | {held} | {option} | {predicted / _KiB:,.1f} | {measured / _KiB:,.1f} "
+              f"| {error:+.1%} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
