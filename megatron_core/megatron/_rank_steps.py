@@ -17,10 +17,11 @@
    collective cannot make the step wait for a collective.
 3. All ranks at the step with the same test id: the session goes on (a few store round trips
    per test). Different test ids (the ranks collected different tests): every rank stops, naming
-   what each rank ran. A rank not there within the limit (``--megatron-core-step-timeout``,
-   300 s by default): the waiting rank prints which ranks are missing and which test it last
-   finished, and leaves with status 1; torchrun then stops the others, as it does when any rank
-   fails. A hang becomes one clear failure; the tests after it do not run.
+   what each rank ran. A rank not there within the limit (``--megatron-core-step-timeout``;
+   by default pytest-timeout's ``--timeout`` where set, else 300 s): the waiting rank prints
+   which ranks are missing and which test it last finished, and leaves with status 1;
+   torchrun then stops the others, as it does when any rank fails. A hang becomes one clear
+   failure; the tests after it do not run.
 4. Outside torchrun (no agent store in the environment), or on one rank, nothing is done.
 """
 

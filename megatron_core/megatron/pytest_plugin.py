@@ -64,11 +64,11 @@ def pytest_addoption(parser) -> None:
     group.addoption(
         STEP_TIMEOUT_FLAG,
         type=float,
-        default=DEFAULT_TIMEOUT_S,
+        default=None,
         metavar="SECONDS",
         help="with the switch under torchrun: how long a rank that finished a test waits for "
-        "the others to finish it before it ends the session (ranks out of step; default "
-        f"{DEFAULT_TIMEOUT_S:g})",
+        "the others to finish it before it ends the session (ranks out of step; default: "
+        f"pytest-timeout's --timeout where set, else {DEFAULT_TIMEOUT_S:g})",
     )
 
 
@@ -115,9 +115,29 @@ def pytest_configure(config) -> None:
     test session ]."""
     if _STATE.installed:
         timeout_s = config.getoption("megatron_core_step_timeout")
+        if timeout_s is None:  # pytest-timeout's limit per test, where one is set
+            timeout_s = _pytest_timeout(config) or DEFAULT_TIMEOUT_S
         if not timeout_s > 0:
             raise ValueError(f"{STEP_TIMEOUT_FLAG} must be a positive number, got {timeout_s}")
         _STATE.steps = RankSteps.from_environment(timeout_s)
+
+
+def _pytest_timeout(config) -> float | None:
+    """pytest-timeout's ``--timeout`` (or its ini setting), if that plugin is there and set."""
+    try:
+        value = config.getoption("timeout")
+    except ValueError:  # pytest-timeout is not installed
+        return None
+    if value is None:
+        try:
+            value = config.getini("timeout")
+        except ValueError:
+            return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if value > 0 else None
 
 
 def pytest_runtest_logreport(report) -> None:

@@ -57,3 +57,34 @@ def test_outside_torchrun_nothing_is_done(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert RankSteps.from_environment(5.0) is None
+
+
+class _Config:
+    """A pytest config as the plugin reads it: pytest-timeout's option and ini value."""
+
+    def __init__(self, option, ini, installed=True):
+        self.option, self.ini, self.installed = option, ini, installed
+
+    def getoption(self, name):
+        if name != "timeout" or not self.installed:
+            raise ValueError(name)
+        return self.option
+
+    def getini(self, name):
+        return self.ini
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (_Config(90.0, ""), 90.0),  # --timeout 90
+        (_Config(None, "300"), 300.0),  # timeout = 300 in the ini file
+        (_Config(None, ""), None),  # pytest-timeout unset: the plugin's own default
+        (_Config(0.0, ""), None),  # --timeout 0 switches pytest-timeout off
+        (_Config(None, "", installed=False), None),  # pytest-timeout not installed
+    ],
+)
+def test_the_step_limit_follows_pytest_timeout(config, expected):
+    from megatron_core.megatron import pytest_plugin
+
+    assert pytest_plugin._pytest_timeout(config) == expected
