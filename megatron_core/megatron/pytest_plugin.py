@@ -15,25 +15,15 @@ turned off at the end of the session. Under torchrun the ranks wait for each oth
 test, so a test that fails on one rank alone ends the session instead of hanging it
 (NOTE [ Ranks out of step in a test session ] in ``_rank_steps.py``).
 
-# NOTE [ megatron-core's conftest without Transformer Engine ]
-1. megatron-core's own unit-test conftest asks ``megatron.core.utils.is_te_min_version("1.3")``
-   before every test. megatron-core answers it by comparing ``get_te_version()`` with the
-   version, and ``get_te_version()`` is None without Transformer Engine, so every test errors
-   with ``TypeError: '>=' not supported between instances of 'NoneType' and 'Version'``.
-2. So, where ``transformer_engine`` cannot be imported, the plugin replaces that one function of
-   installed megatron-core, right after installing the switch and before the conftests load, with
-   one that answers False while ``get_te_version()`` is None and calls megatron-core's own
-   otherwise (this package's ``megatron_core.utils.is_te_min_version`` answers the same).
-3. Nothing else of megatron-core is replaced; with Transformer Engine installed nothing is. The
-   original is put back at the end of the session.
+megatron-core's unit-test conftest asks ``is_te_min_version`` before every test, which
+megatron-core 0.16.1 cannot answer without Transformer Engine: the switch answers it
+(NOTE [ Without Transformer Engine ], rule 5, in without_te.py), and the plugin gives the
+original back at the end of the session (rule 6).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from dataclasses import dataclass
-from typing import Any
 
 from megatron_core.megatron._rank_steps import DEFAULT_TIMEOUT_S, RankSteps
 
@@ -44,7 +34,6 @@ STEP_TIMEOUT_FLAG = "--megatron-core-step-timeout"
 @dataclass
 class _Session:
     installed: bool = False  # this plugin installed the switch
-    te_check: tuple[Any, Any] | None = None  # (megatron.core.utils, its own is_te_min_version)
     steps: RankSteps | None = None  # NOTE [ Ranks out of step in a test session ]
 
 
@@ -89,25 +78,6 @@ def pytest_load_initial_conftests(early_config, parser, args) -> None:
 
     megatron.install()  # sets MEGATRON_CORE_SWITCH=1 for the processes the suite starts
     _STATE.installed = True
-    _answer_te_version_check()
-
-
-def _answer_te_version_check() -> None:
-    """NOTE [ megatron-core's conftest without Transformer Engine ], rule 2."""
-    if importlib.util.find_spec("transformer_engine") is not None:
-        return  # rule 3
-    import megatron.core.utils as megatron_utils
-
-    original = megatron_utils.is_te_min_version
-
-    @functools.wraps(original)
-    def is_te_min_version(version, check_equality=True):
-        if megatron_utils.get_te_version() is None:
-            return False
-        return original(version, check_equality)
-
-    megatron_utils.is_te_min_version = is_te_min_version
-    _STATE.te_check = (megatron_utils, original)
 
 
 def pytest_configure(config) -> None:
@@ -155,12 +125,9 @@ def pytest_unconfigure(config) -> None:
     """Put megatron-core's ``is_te_min_version`` back and turn the CPU mode off again (only
     where this plugin installed the switch)."""
     _STATE.steps = None
-    if _STATE.te_check is not None:
-        module, original = _STATE.te_check
-        _STATE.te_check = None
-        module.is_te_min_version = original
     if _STATE.installed:
         _STATE.installed = False
-        from megatron_core.megatron import cpu_mode
+        from megatron_core.megatron import cpu_mode, without_te
 
+        without_te.put_back()  # NOTE [ Without Transformer Engine ], rule 6
         cpu_mode.disable()

@@ -26,6 +26,16 @@ a table of adapters applied to megatron-core modules as the switch imports them.
    Adapted, decorating does nothing but wrap: each function goes through ``torch.compile``, with
    the same options, at its first call, as it would have at the first call of the compiled one.
    Only ``torch.compile`` is wrapped (a ``jit_fuser`` megatron-core set otherwise is kept).
+5. ``megatron.core.utils.is_te_min_version`` compares ``get_te_version()`` with a version, and
+   that is None without Transformer Engine: megatron-core 0.16.1 raises ``TypeError`` there,
+   and its unit tests' conftest asks before every test. Adapted, it answers False while
+   ``get_te_version()`` is None (as 0.19 and this package's ``megatron_core.utils`` do) and is
+   megatron-core's own otherwise; where ``transformer_engine`` can be imported it is not
+   adapted at all.
+6. :func:`disarm` stops adapting later imports; adapted modules keep their adapters.
+   :func:`put_back` also gives back what an adapter replaced (rules 3-5: a new object in the
+   module's place); rule 2 changes megatron-core's class in place and stays. The pytest plugin
+   puts back at the end of its session.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import sys
 from megatron_core.errors import MegatronCoreError
 from megatron_core.megatron._finder import PostImportFinder
 
-__all__ = ["ADAPTERS", "arm", "disarm"]
+__all__ = ["ADAPTERS", "arm", "disarm", "put_back"]
 
 
 def _cp_size_of(config) -> int:
@@ -149,7 +159,25 @@ def _compile_on_first_call(original):
     return jit_fuser
 
 
+def _answer_without_te(original):
+    """Rule 5."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return original
+    import megatron.core.utils as megatron_utils
+
+    @functools.wraps(original)
+    def is_te_min_version(version, check_equality=True):
+        if megatron_utils.get_te_version() is None:
+            return False
+        return original(version, check_equality)
+
+    return is_te_min_version
+
+
 ADAPTERS: dict[str, dict[str, object]] = {
+    "megatron.core.utils": {"is_te_min_version": _answer_without_te},
     "megatron.core.jit": {"jit_fuser": _compile_on_first_call},
     "megatron.core.transformer.dot_product_attention": {
         "DotProductAttention": _context_parallel_attention
@@ -159,6 +187,7 @@ ADAPTERS: dict[str, dict[str, object]] = {
     },
 }
 _ADAPTED: set[str] = set()  # modules already adapted (once per module object)
+_REPLACED: list[tuple[object, str, object, object]] = []  # (module, name, original, adapted)
 _FINDER: PostImportFinder | None = None
 
 
@@ -169,7 +198,10 @@ def _adapt(module) -> None:
     for name, adapter in ADAPTERS.get(module.__name__, {}).items():
         original = getattr(module, name, None)
         if original is not None:
-            setattr(module, name, adapter(original))
+            adapted = adapter(original)
+            setattr(module, name, adapted)
+            if adapted is not original:
+                _REPLACED.append((module, name, original, adapted))
 
 
 def arm() -> None:
@@ -190,3 +222,14 @@ def disarm() -> None:
     if _FINDER is not None and _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
     _FINDER = None
+
+
+def put_back() -> None:
+    """Rule 6: :func:`disarm`, and give back every object an adapter replaced (where the module
+    still holds the adapter's); those modules are adapted again at the next :func:`arm`."""
+    disarm()
+    while _REPLACED:
+        module, name, original, adapted = _REPLACED.pop()
+        if getattr(module, name, None) is adapted:
+            setattr(module, name, original)
+        _ADAPTED.discard(module.__name__)
