@@ -49,11 +49,10 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    stage after the first) and returns the output times a gradient-shaped tensor, summed (a
    stage before the last), so one probe measures what one microbatch keeps there; the
    schedule's own buffers (received gradients, sends in flight) are not probed, and the
-   headroom keeps 5% more on a stage that holds several microbatches (rule 5; measured up
-   to 4.4% under the prediction on two CPU stages). Where it can be wrong: a forward
-   whose allocations depend on the data, allocator caching and fragmentation on CUDA
-   (``max_memory_allocated`` counts live tensors, not reserved memory), autocast's weight-cast
-   cache (held to the end of the forward, whatever recomputes), timing noise.
+   headroom keeps 5% more where a step has several microbatches (rule 5). Where it can be
+   wrong: a forward whose allocations depend on the data, allocator caching and fragmentation
+   on CUDA (``max_memory_allocated`` counts live tensors, not reserved memory), autocast's
+   weight-cast cache (held to the end of the forward, whatever recomputes), timing noise.
 4. Search. Dynamic programming over the layers with K (the kept bytes so far) as the state: a
    state with more kept bytes and no less time is dropped (it can only meet later bounds less
    easily), and the cost is a sum over layers. The backward terms also depend on the layers
@@ -73,9 +72,11 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    window's agreements run on some ranks' collectives only): otherwise every rank raises the same
    error, naming the option and the range. The plan then uses the largest of every byte
    number and the slowest times, so every rank computes the same plan, and keeps a headroom
-   below the budget: the ranks' (and runs') largest difference plus 2% of the budget, or 0.1%
-   where the probes showed no difference, plus 5% on a pipeline stage holding several
-   microbatches (:func:`headroom`). The ranks that agree are those of one pipeline stage (its
+   below the budget: the ranks' (and runs') largest difference plus 2% of the budget (a mixed
+   plan's layers differ a little from the uniform probes' means: up to 1.4% under on one CPU
+   rank), plus 5% where a step has several microbatches (rule 3's model of the later ones and
+   of a pipeline schedule: up to 3.3% under on one CPU rank, 4.4% on pipeline stage 0)
+   (:func:`headroom`). The ranks that agree are those of one pipeline stage (its
    tensor x data x context parallel group): each stage has its own plan.
    With several ranks on the CPU (gloo's overlapped collectives, the sequence-parallel
    all-gathers above all, free their buffers at times that vary between runs, by up to ~15% of

@@ -52,11 +52,12 @@ class StageMeasure:
 
 def headroom(stage: StageMeasure, budget: int) -> int:
     """Bytes the search keeps free below the budget (rule 5): the ranks' and runs' spread plus
-    2% of the budget where there was a spread (what one run's numbers cannot show of another's),
-    else 0.1% (one rank whose probes repeat exactly: a GPU, or one CPU process); 5% more on a
-    pipeline stage holding several microbatches (the schedule's own buffers, rule 3)."""
-    room = stage.spread + budget // (50 if stage.spread else 1000)
-    return room + (budget // 20 if stage.in_flight > 1 else 0)
+    2% of the budget (what one run's numbers cannot show of another's, and a mixed plan's layers
+    differing from the uniform probes' means), and 5% more where a step has several
+    microbatches (rule 3's later microbatches and a pipeline schedule's own buffers are
+    modelled, not probed)."""
+    room = stage.spread + budget // 50
+    return room + (budget // 20 if stage.microbatches > 1 else 0)
 
 
 def predict_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
