@@ -40,6 +40,7 @@ def _rank(rank: int, args, port: int, queue) -> None:
         predict_peak,
     )
     from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
+    from megatron_core.training.memory_plan import stage_probe_forward
     from megatron_core.training.pipeline_step import build_pipeline_model
     from megatron_core.transformer import TransformerConfig
 
@@ -59,11 +60,7 @@ def _rank(rank: int, args, port: int, queue) -> None:
     labels = torch.randint(0, _VOCAB, (_BATCH, args.seq), generator=gen)
     first, last = chunk.pre_process, chunk.post_process
 
-    def forward():  # NOTE [ Recompute planner ], rule 3: one microbatch of this stage alone
-        if not first:
-            chunk.set_input_tensor(torch.randn(args.seq, _BATCH, args.hidden, requires_grad=True))
-        out = chunk(tokens if first else None, labels if last else None)
-        return out.mean() if last else (out * torch.ones_like(out)).sum()
+    forward = stage_probe_forward(chunk, tokens, labels, args.seq)  # one microbatch, this stage
 
     def forward_step(iterator, model):
         next(iterator)

@@ -16,12 +16,13 @@ import argparse
 import torch
 
 from megatron_core import device, parallel_state
+from megatron_core.pipeline_parallel import get_tensor_shapes
 from megatron_core.tensor_parallel.recompute.plan import RecomputePlan, plan_recompute
 from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline, model_state_bytes
 from megatron_core.training.data import ByteCorpus, get_batch
 from megatron_core.training.mixed_precision import MixedPrecisionOptimizer
 
-__all__ = ["plan_to_budget", "measured_iteration"]
+__all__ = ["plan_to_budget", "stage_probe_forward", "measured_iteration"]
 
 _MiB = 1 << 20
 
@@ -37,18 +38,11 @@ def plan_to_budget(
     dp = parallel_state.get_data_parallel_world_size()
     num_microbatches = max(1, args.global_batch_size // (args.micro_batch_size * dp))
 
-    def forward():
-        if args.pipeline_model_parallel_size > 1 and not model.pre_process:
-            model.set_input_tensor(_stage_input(model, args, tokens))
-        output = model(
-            tokens if getattr(model, "pre_process", True) else None,
-            labels if getattr(model, "post_process", True) else None,
-        )
-        if not getattr(model, "post_process", True):  # a stage before the last (rule 3)
-            return (output * torch.ones_like(output)).sum()
-        loss = output.mean() / num_microbatches
-        return optimizer.scale_loss(loss) if mixed else loss
+    def loss(output):
+        scaled = output.mean() / num_microbatches
+        return optimizer.scale_loss(scaled) if mixed else scaled
 
+    forward = stage_probe_forward(model, tokens, labels, args.seq_length, loss)
     plan = plan_recompute(
         model, forward, args.memory_budget, optimizer, microbatches=num_microbatches
     )
@@ -56,17 +50,40 @@ def plan_to_budget(
     return plan, str(plan).splitlines()
 
 
-def _stage_input(model, args: argparse.Namespace, tokens: torch.Tensor) -> torch.Tensor:
-    """What a pipeline stage after the first receives for one microbatch: [s, b, h] hidden
-    states (the sequence split over context, and over tensor ranks under sequence
-    parallelism), in the pipeline's dtype, on this rank's device."""
+def stage_probe_forward(model, tokens, labels, seq_length: int, loss=None):
+    """The ``forward`` that :func:`plan_recompute` probes on this rank's model: our GPT, or one
+    pipeline stage's chunk of it (NOTE [ Recompute planner ], rule 3).
+
+    A stage after the first makes what it would receive for one microbatch: [s, b, h] hidden
+    states of the schedule's p2p shape (``get_tensor_shapes``: the sequence split over context,
+    and over tensor ranks under sequence parallelism), in the pipeline's dtype, on this rank's
+    device. A stage before the last returns its output times a gradient-shaped tensor, summed;
+    the last stage (or the whole model) returns ``loss(output)`` (default: the mean).
+
+    Args:
+        tokens, labels: one microbatch, [b, s / cp] (this rank's share of the sequence).
+        seq_length: the whole sequence length (before the context-parallel split).
+    """
     config = model.config
-    seq = tokens.shape[1]  # this rank's share of the context-parallel split already
-    if config.sequence_parallel:
-        seq //= config.tensor_model_parallel_size
-    dtype = config.pipeline_dtype or torch.float32
-    shape = (seq, tokens.shape[0], config.hidden_size)
-    return torch.randn(shape, dtype=dtype, device=device.current_device(), requires_grad=True)
+    first = getattr(model, "pre_process", True)
+    last = getattr(model, "post_process", True)
+
+    def forward():
+        if not first:
+            (shape,) = get_tensor_shapes(
+                seq_length=seq_length, micro_batch_size=tokens.shape[0],
+                decoder_seq_length=None, config=config,
+            )  # fmt: skip
+            dtype = config.pipeline_dtype or torch.float32
+            model.set_input_tensor(
+                torch.randn(shape, dtype=dtype, device=device.current_device(), requires_grad=True)
+            )
+        output = model(tokens if first else None, labels if last else None)
+        if not last:
+            return (output * torch.ones_like(output)).sum()
+        return output.mean() if loss is None else loss(output)
+
+    return forward
 
 
 def measured_iteration(train_step, model, optimizer, plan: RecomputePlan) -> tuple[object, str]:

@@ -117,6 +117,7 @@ def _stage_model(pp, microbatches, layers=4, seq=64, hidden=32):
     a stage without the loss returns its output times a gradient-shaped tensor, summed; a
     stage after the first makes its input inside), and a real step of the schedule."""
     from megatron_core.pipeline_parallel import get_forward_backward_func
+    from megatron_core.training.memory_plan import stage_probe_forward
     from megatron_core.training.pipeline_step import build_pipeline_model
 
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
@@ -131,11 +132,7 @@ def _stage_model(pp, microbatches, layers=4, seq=64, hidden=32):
     tokens = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
     labels = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
 
-    def forward():
-        if not chunk.pre_process:
-            chunk.set_input_tensor(torch.randn(seq, BATCH, hidden, requires_grad=True))
-        out = chunk(tokens if chunk.pre_process else None, labels if chunk.post_process else None)
-        return out.mean() if chunk.post_process else (out * torch.ones_like(out)).sum()
+    forward = stage_probe_forward(chunk, tokens, labels, seq)
 
     def forward_step(iterator, model):
         next(iterator)
