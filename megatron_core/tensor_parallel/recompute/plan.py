@@ -106,6 +106,7 @@ from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.random import get_rng_snapshot, set_rng_snapshot
 from megatron_core.tensor_parallel.recompute.plan_probe import (
+    gradient_bytes,
     model_state_bytes,
     pending_optimizer_state_bytes,
     probe_step,
@@ -115,6 +116,7 @@ from megatron_core.tensor_parallel.recompute.plan_search import (
     OptionMeasure,
     StageMeasure,
     _flop_floors,
+    _megatron_candidates,
     _monotone,
     _overhead,
     headroom,
@@ -289,22 +291,11 @@ def _stage_numbers(model, optimizer, probes: dict, options, layers: int) -> list
         max(none["head"][1], none[f"g{layers - 1}"][1]) - last,  # head
         none[f"g{layers - 1}"][0] - last,  # head_left
         none["end"][1] - none["g-1"][0],  # tail
-        _gradient_bytes(model),  # grads: what a step's backward allocates and keeps
+        gradient_bytes(model),  # grads: what a step's backward allocates and keeps
     ]
     for option in options:
         numbers += _option_numbers(probes[option], layers)
     return numbers
-
-
-def _gradient_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the ``.grad`` tensors a backward creates: the parameters that require one and
-    accumulate into neither an existing ``.grad`` nor a ``main_grad`` buffer (those count as
-    model states)."""
-    return sum(
-        p.numel() * p.element_size()
-        for p in model.parameters()
-        if p.requires_grad and p.grad is None and getattr(p, "main_grad", None) is None
-    )
 
 
 def _stage(layers, options, numbers, extra, step_ms=0.0, spread=0) -> StageMeasure:
@@ -369,25 +360,6 @@ def _stage_group():
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
     return None
-
-
-def _megatron_candidates(stage: StageMeasure) -> list[tuple[dict, list[str]]]:
-    layers, found = stage.layers, []
-    found.append(({"recompute_granularity": None}, ["none"] * layers))
-    for option in stage.options:
-        if option.startswith("selective:"):
-            modules = option.split(":", 1)[1].split("+")
-            fields = {"recompute_granularity": "selective", "recompute_modules": modules}
-            found.append((fields, [option] * layers))
-    for option in ("full", "full_distributed"):
-        if option not in stage.options:
-            continue
-        for n in range(1, layers + 1):
-            fields = {"recompute_granularity": "full", "recompute_method": "block",
-                      "recompute_num_layers": n,
-                      "distribute_saved_activations": option == "full_distributed"}  # fmt: skip
-            found.append((fields, [option] * n + ["none"] * (layers - n)))
-    return found
 
 
 @dataclasses.dataclass

@@ -24,6 +24,7 @@ __all__ = [
     "LayerMarks",
     "Probe",
     "model_state_bytes",
+    "gradient_bytes",
     "pending_optimizer_state_bytes",
     "probe_step",
     "time_step",
@@ -164,6 +165,17 @@ def model_state_bytes(model: torch.nn.Module, optimizer=None) -> int:
         inner = getattr(optimizer, "optimizer", None)
         optimizer = inner if inner is not optimizer else None
     return sum(seen.values())
+
+
+def gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the ``.grad`` tensors a backward creates: the parameters that require one and
+    accumulate into neither an existing ``.grad`` nor a ``main_grad`` buffer (those count as
+    model states)."""
+    return sum(
+        p.numel() * p.element_size()
+        for p in model.parameters()
+        if p.requires_grad and p.grad is None and getattr(p, "main_grad", None) is None
+    )
 
 
 def pending_optimizer_state_bytes(optimizer) -> int:

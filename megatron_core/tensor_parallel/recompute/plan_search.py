@@ -1,7 +1,8 @@
 """The recompute planner's prediction and search (NOTE [ Recompute planner ], rules 2-5, in
 plan.py): the measurements they read (OptionMeasure, StageMeasure), an option's time floor and
 monotone costs, a plan's predicted peak, the dynamic programme over the layers, the smallest
-budget that fits, and the headroom kept below a budget."""
+budget that fits, the headroom kept below a budget, and the plans megatron-core's
+TransformerConfig can express (rule 6)."""
 
 from __future__ import annotations
 
@@ -157,6 +158,25 @@ def smallest_fit(stage: StageMeasure) -> tuple[int, list[str]]:
         else:
             high = middle
     return high, search_plan(stage, high)[0]
+
+
+def _megatron_candidates(stage: StageMeasure) -> list[tuple[dict, list[str]]]:
+    layers, found = stage.layers, []
+    found.append(({"recompute_granularity": None}, ["none"] * layers))
+    for option in stage.options:
+        if option.startswith("selective:"):
+            modules = option.split(":", 1)[1].split("+")
+            fields = {"recompute_granularity": "selective", "recompute_modules": modules}
+            found.append((fields, [option] * layers))
+    for option in ("full", "full_distributed"):
+        if option not in stage.options:
+            continue
+        for n in range(1, layers + 1):
+            fields = {"recompute_granularity": "full", "recompute_method": "block",
+                      "recompute_num_layers": n,
+                      "distribute_saved_activations": option == "full_distributed"}  # fmt: skip
+            found.append((fields, [option] * n + ["none"] * (layers - n)))
+    return found
 
 
 def _flop_floors(options, config, shape, layer_ms: float) -> dict[str, float]:
