@@ -81,8 +81,8 @@ _TEMPORARY_DIRS: list[str] = []
 
 def temporary_directory(prefix: str) -> str:
     """A new directory under the system's temporary folder, removed when the process exits
-    (also through :func:`_exit`, which skips ``atexit``): a one-process rendezvous store's
-    file lives there until then."""
+    (also through :func:`_exit`, which skips ``atexit``): a rendezvous store's file (the
+    launcher's, or one process's) lives there until then."""
     path = tempfile.mkdtemp(prefix=prefix)
     if not _TEMPORARY_DIRS:
         atexit.register(_remove_temporary_dirs)
@@ -223,7 +223,7 @@ def _ignore_sigint() -> None:
 
 def _launch_ranks(prog: str, script: str, argv: Sequence[str], nproc: int) -> int:
     """Start ``nproc`` ranks of ``script`` and wait; see NOTE [ Clean exits ], rule 5."""
-    rendezvous_dir = tempfile.mkdtemp(prefix="megatron_core_launch_")
+    rendezvous_dir = temporary_directory("megatron_core_launch_")  # removed by _exit
     env = {
         **os.environ,
         RENDEZVOUS_ENV: f"file://{os.path.join(rendezvous_dir, 'rendezvous')}",
@@ -269,7 +269,6 @@ def _launch_ranks(prog: str, script: str, argv: Sequence[str], nproc: int) -> in
         status = 128 - status
     if received:
         _say(prog, f"interrupted ({signal.Signals(received[0]).name}); stopped")
-    shutil.rmtree(rendezvous_dir, ignore_errors=True)  # the store's file outlives the ranks
     return status
 
 
