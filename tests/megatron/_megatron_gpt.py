@@ -33,6 +33,7 @@ class Run:
     steps: int = 3
     dropout: float = 0.0
     recompute: str | None = None  # None, "full" (distribute_saved_activations) or "selective"
+    # ("selective": core_attn, layernorm and mlp)
     moe: bool = False
     expert_bias: bool = False  # MoE router expert bias, updated in finalize_model_grads
     dispatcher: str = "allgather"  # MoE token dispatcher: "allgather" or "alltoall"
@@ -84,7 +85,10 @@ def config_of(run: Run):
             distribute_saved_activations=True,
         )
     elif run.recompute == "selective":
-        extra = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+        # every module a dense local-spec layer recomputes: the MLP's checkpoint returns the
+        # fc2 bias as is (added later), which must stay the parameter it is
+        modules = ["core_attn", "layernorm", "mlp"]
+        extra = dict(recompute_granularity="selective", recompute_modules=modules)
     if run.moe:
         extra.update(
             num_moe_experts=4,

@@ -88,16 +88,18 @@ def test_pipeline_2_x_context_parallel_2_matches_1(distributed, dense_start, den
 
 
 def test_recompute_is_bitwise_equal_with_dropout(distributed, dense_start):
-    """Full recompute (distribute_saved_activations at tp = 2) and selective recompute replay the
-    dropout masks through this package's RNG tracker: bitwise the run without recompute."""
+    """Full recompute (distribute_saved_activations at tp = 2) and selective recompute (core_attn,
+    layernorm, mlp) replay the dropout masks through this package's RNG tracker: bitwise the run
+    without recompute, every gradient (the fc2 bias the MLP's checkpoint returns as is too)."""
     base = dataclasses.replace(DENSE, tp=2, dropout=0.1)
     plain = distributed(train, 2, base, dense_start, timeout=TIMEOUT)
     assert plain[0]["checkpoints"] == 0
     for recompute in ("full", "selective"):
         run = dataclasses.replace(base, recompute=recompute)
         per_rank = distributed(train, 2, run, dense_start, timeout=TIMEOUT)
-        # one checkpoint per layer and microbatch (in the last step)
-        assert per_rank[0]["checkpoints"] == 2 * DENSE.microbatches, recompute
+        # per layer and microbatch (in the last step): full one, selective two (attention, MLP)
+        per_layer = 1 if recompute == "full" else 2
+        assert per_rank[0]["checkpoints"] == 2 * per_layer * DENSE.microbatches, recompute
         _assert_runs_equal(plain[0], per_rank, exact=True)
 
 

@@ -84,6 +84,7 @@ from megatron_core.tensor_parallel.recompute.saved_inputs import (
     Distribute,
     ForwardState,
     SavedInputs,
+    alias_outer_outputs,
     backward_through,
     capture_saved_inputs,
     check_outputs,
@@ -121,7 +122,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.run_function = run_function
         ctx.state = ForwardState.capture()  # rule 2
         with torch.no_grad(), checkpointing_region():
-            outputs = run_function(*args)
+            outputs = alias_outer_outputs(run_function(*args))
         ctx.saved = SavedInputs(args, options, version_check=False)  # rules 1, 3, 4
         ctx.save_for_backward(*ctx.saved.tensors)
         ctx.saved.tensors = None  # autograd holds them now; read back through ctx

@@ -42,7 +42,13 @@ from megatron_core.tensor_parallel.utils import (
     split_tensor_into_1d_equal_chunks,
 )
 
-__all__ = ["Distribute", "SavedInputs", "capture_saved_inputs", "is_checkpointing"]
+__all__ = [
+    "Distribute",
+    "SavedInputs",
+    "alias_outer_outputs",
+    "capture_saved_inputs",
+    "is_checkpointing",
+]
 
 _CHECKPOINTING_DEPTH = 0
 
@@ -468,6 +474,25 @@ def _stash_rng() -> Callable[[], None]:
         set_generator_states(cpu_state, device_state)  # after the active stream (rule 6)
 
     return restore
+
+
+def alias_outer_outputs(outputs: Any) -> Any:
+    """The outputs of a region that ran without grad, each tensor that requires grad replaced by
+    a detached alias (same storage).
+
+    Inside a Function's forward nothing new requires grad, so such a tensor existed before the
+    region: a parameter or an input returned as is (megatron-core's MLP returns its fc2 bias
+    when the bias is added later). Returned through the Function itself it would take the
+    Function as its grad_fn: a parameter would stop being a leaf (its ``.grad`` never filled)
+    and the recompute, which returns that tensor again, would backpropagate into the same node
+    without end. The alias takes its place in the graph; :func:`backward_through` hands the
+    alias's gradient to the tensor the recompute returns (a leaf accumulates it in ``.grad``).
+    """
+    if torch.is_tensor(outputs):
+        return outputs.detach() if outputs.requires_grad else outputs
+    if isinstance(outputs, tuple):
+        return tuple(o.detach() if torch.is_tensor(o) and o.requires_grad else o for o in outputs)
+    return outputs
 
 
 def backward_through(

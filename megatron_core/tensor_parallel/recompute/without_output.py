@@ -22,7 +22,11 @@ from typing import Any
 import torch
 
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.recompute.saved_inputs import ForwardState, backward_through
+from megatron_core.tensor_parallel.recompute.saved_inputs import (
+    ForwardState,
+    alias_outer_outputs,
+    backward_through,
+)
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputFunction"]
 
@@ -40,7 +44,7 @@ class CheckpointWithoutOutputFunction(torch.autograd.Function):
     def forward(ctx, run_function, checkpoint_without_output_obj, *args):
         """Run ``run_function(*args)`` without grad; save the inputs for the recompute."""
         with torch.no_grad():
-            outputs = run_function(*args)
+            outputs = alias_outer_outputs(run_function(*args))
         ctx.is_tensor = [torch.is_tensor(a) for a in args]
         ctx.non_tensors = [None if torch.is_tensor(a) else a for a in args]
         ctx.save_for_backward(*[a.detach() for a in args if torch.is_tensor(a)])

@@ -434,6 +434,37 @@ def test_input_changed_in_place_before_backward_is_refused(seeded, use_reentrant
         out.sum().backward()
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_parameter_or_input_returned_as_is_stays_itself(seeded, use_reentrant):
+    # megatron-core's MLP returns (output, fc2 bias) when the bias is added later: the bias is
+    # a parameter the region returns unchanged. Through a reentrant Function it would become
+    # the Function's output (no longer a leaf, no .grad; its backward re-entered without end);
+    # here it keeps its identity as a leaf and gets the gradient of its use outside, as without
+    # checkpoint. An input returned as is gets its gradient too.
+    lin = nn.Linear(4, 4)
+    bias = nn.Parameter(torch.randn(4))
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def region(h, extra):
+        return lin(h), bias, extra
+
+    def loss(outputs):
+        out, b, extra = outputs
+        return ((out + b) ** 2).sum() + (extra * b).sum()
+
+    extra = torch.randn(4, requires_grad=True)
+    loss(region(x, extra)).backward()
+    wanted = [t.grad.clone() for t in (x, extra, bias, lin.weight)]
+    for t in (x, extra, bias, lin.weight):
+        t.grad = None
+    outputs = checkpoint(region, False, x, extra, use_reentrant=use_reentrant)
+    assert bias.is_leaf and bias.grad_fn is None
+    loss(outputs).backward()
+    assert bias.is_leaf
+    for got, want in zip((x.grad, extra.grad, bias.grad, lin.weight.grad), wanted):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_misuse_raises_or_warns_as_torch_does(seeded):
     # Reentrant, no input requires grad: torch warns (the parameters get no gradient).
     lin = nn.Linear(4, 4)
