@@ -83,10 +83,18 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    a small model's peak) every option is probed three times, the largest of each number is
    kept, and the largest difference between the rounds joins the headroom.
 6. megatron-core. Its TransformerConfig expresses one recompute for all layers: none, selective
-   with one ``recompute_modules`` set, or full with uniform / block and ``recompute_num_layers``
-   (with ``distribute_saved_activations``). :attr:`RecomputePlan.megatron` is the fastest of
-   those that fits by the same prediction, as TransformerConfig fields, with its predicted peak
-   and overhead beside the per-layer plan's.
+   with one ``recompute_modules`` set (of core_attn, layernorm, mlp: "activation" is this
+   package's alone), or full with uniform / block and ``recompute_num_layers`` (with
+   ``distribute_saved_activations``). :attr:`RecomputePlan.megatron` is the fastest of those
+   that fits by the same prediction (block method: the first n layers full, the rest none), as
+   TransformerConfig fields, with its predicted peak and overhead beside the per-layer plan's.
+   megatron-core's own GPTModel (built through the switch) is probed the same way: its block is
+   seen through plan_megatron.MegatronCoreBlock, which sets each option in place (the config's
+   full-recompute fields, read at every forward; the layers' selective flags, which its
+   TransformerConfig would have set when they were built) and sets the marks with module hooks
+   (under full recompute on the checkpoints' outputs). Its options are those megatron-core
+   expresses, and its plan is the megatron one: ``apply`` sets those fields in place, and the
+   same fields build the model through TransformerConfig.
    (The prediction and the search live in plan_search.py, the measuring in plan_probe.py.)
 7. Scope. Any TP, SP, CP, precision; PP with the 1F1B schedule, each stage planned for its
    own layers. The interleaved schedule (virtual pipeline stages: a stage holds several
@@ -105,7 +113,12 @@ import torch.distributed as dist
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.random import get_rng_snapshot, set_rng_snapshot
+from megatron_core.tensor_parallel.recompute.plan_megatron import (
+    MegatronCoreBlock,
+    megatron_options,
+)
 from megatron_core.tensor_parallel.recompute.plan_probe import (
+    _find_blocks,
     gradient_bytes,
     model_state_bytes,
     pending_optimizer_state_bytes,
@@ -137,6 +150,7 @@ __all__ = [
     "search_plan",
     "smallest_fit",
     "plan_recompute",
+    "choose_plan",
     "in_flight_microbatches",
 ]
 
@@ -220,8 +234,6 @@ def measure_stage(
     """Probe ``model`` (holding one TransformerBlock, in training mode) with every option
     (default :func:`candidate_options`): one measured step and ``repeats`` timed steps each,
     then agree the numbers across ranks (NOTE [ Recompute planner ], rules 2 and 5)."""
-    from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks
-
     (block,) = _find_blocks(model)
     config = block.config
     if config.virtual_pipeline_model_parallel_size is not None:
@@ -239,7 +251,8 @@ def measure_stage(
     if not model.training:
         raise MegatronCoreError("recompute planner: the model must be in training mode")
     if options is None:
-        options = candidate_options(config.tensor_model_parallel_size, config.sequence_parallel)
+        offered = megatron_options if isinstance(block, MegatronCoreBlock) else candidate_options
+        options = offered(config.tensor_model_parallel_size, config.sequence_parallel)
     options = list(options)
     if options[0] != "none":
         raise MegatronCoreError(f"recompute planner: options must start with 'none', got {options}")
@@ -388,9 +401,9 @@ class RecomputePlan:
     stage: StageMeasure
 
     def apply(self, model: torch.nn.Module) -> None:
-        """Set the plan on ``model``'s TransformerBlock (``set_layer_recompute``)."""
-        from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks
-
+        """Set the plan on ``model``'s TransformerBlock (``set_layer_recompute``; on
+        megatron-core's block: its config's recompute fields and its layers' flags, as
+        :attr:`megatron`'s fields would have built them)."""
         (block,) = _find_blocks(model)
         block.set_layer_recompute(self.choices)
 
@@ -473,12 +486,21 @@ def plan_recompute(
     stage = dataclasses.replace(
         stage, microbatches=microbatches, in_flight=in_flight_microbatches(microbatches)
     )
+    (block,) = _find_blocks(model)
+    return choose_plan(stage, limit_total, activations_only, isinstance(block, MegatronCoreBlock))
+
+
+def choose_plan(
+    stage: StageMeasure, budget, activations_only: bool = False, megatron_only: bool = False
+) -> RecomputePlan:
+    """The plan for measured ``stage`` within ``budget`` (:func:`plan_recompute` after its
+    probe): the per-layer choices with the least predicted time whose predicted peak fits
+    (rule 4), and the fastest plan megatron-core's TransformerConfig expresses (rule 6). With
+    ``megatron_only`` (a megatron-core model, whose layers take one setting) the plan is that
+    one. Raises MegatronCoreError where nothing fits, naming the smallest budget that does."""
+    limit_total = parse_memory_budget(budget)
     static = 0 if activations_only else stage.static
     limit = limit_total - static - headroom(stage, limit_total)
-    found = search_plan(stage, limit)
-    if found is None:
-        raise MegatronCoreError(_no_fit_message(stage, limit_total, static))
-    choices, peak, overhead = found
     megatron = None
     for fields, candidate in _megatron_candidates(stage):
         candidate_peak = predict_peak(stage, candidate)
@@ -488,17 +510,36 @@ def plan_recompute(
         if megatron is None or cost < megatron["overhead_ms"]:
             megatron = {"fields": fields, "predicted_peak": static + candidate_peak,
                         "overhead_ms": cost, "choices": candidate}  # fmt: skip
+    if megatron_only:
+        if megatron is None:
+            raise MegatronCoreError(_no_fit_message(stage, limit_total, static, True))
+        choices, overhead = megatron["choices"], megatron["overhead_ms"]
+        peak = megatron["predicted_peak"] - static
+    else:
+        found = search_plan(stage, limit)
+        if found is None:
+            raise MegatronCoreError(_no_fit_message(stage, limit_total, static))
+        choices, peak, overhead = found
     return RecomputePlan(
         choices, limit_total, activations_only, static + peak, overhead, stage.step_ms,
         megatron, stage,
     )  # fmt: skip
 
 
-def _no_fit_message(stage: StageMeasure, budget: int, static: int) -> str:
-    limit, choices = smallest_fit(stage)
+def _no_fit_message(
+    stage: StageMeasure, budget: int, static: int, megatron_only: bool = False
+) -> str:
+    if megatron_only:
+        fields, choices = min(_megatron_candidates(stage), key=lambda c: predict_peak(stage, c[1]))
+        limit = predict_peak(stage, choices)
+    else:
+        limit, choices = smallest_fit(stage)
     fits = static + limit + headroom(stage, 2 * (static + limit))
     counts = {c: choices.count(c) for c in dict.fromkeys(choices)}
     what = ", ".join(f"{n} x {c}" for c, n in counts.items())
+    if megatron_only:
+        what += " (megatron-core TransformerConfig: " + ", ".join(
+            f"{k}={v!r}" for k, v in fields.items()) + ")"  # fmt: skip
     return (
         f"recompute planner: no plan fits the budget of {budget:,} bytes "
         f"({budget / _MiB:,.1f} MiB); the smallest that fits is {fits:,} bytes "

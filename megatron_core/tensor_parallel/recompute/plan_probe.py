@@ -18,6 +18,10 @@ import torch
 from megatron_core import compat, device
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.recompute.memory import storage_key_and_nbytes
+from megatron_core.tensor_parallel.recompute.plan_megatron import (
+    MegatronCoreBlock,
+    is_megatron_core_block,
+)
 
 __all__ = [
     "MemoryTimeline",
@@ -125,7 +129,11 @@ class LayerMarks:
         """After layer ``index`` returned ``hidden``."""
         self.timeline.mark(f"f{index}")
         if hidden.requires_grad:
-            hidden.register_hook(self._hook(f"g{index}"))
+            self.output_gradient(index, hidden)
+
+    def output_gradient(self, index: int, output: torch.Tensor) -> None:
+        """Mark ``g{index}`` when ``output`` (layer ``index``'s output) has its gradient."""
+        output.register_hook(self._hook(f"g{index}"))
 
     def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -200,14 +208,18 @@ def pending_optimizer_state_bytes(optimizer) -> int:
 def _find_blocks(model: torch.nn.Module) -> list:
     """The model's layer stack: the one submodule with ``set_layer_recompute`` and ``probe``
     (megatron_core.transformer's TransformerBlock; found by what it offers, so this module does
-    not import the transformer family above it)."""
-    blocks = [
-        m for m in model.modules() if hasattr(m, "set_layer_recompute") and hasattr(m, "probe")
-    ]
+    not import the transformer family above it), or megatron-core's own TransformerBlock, seen
+    through :class:`~megatron_core.tensor_parallel.recompute.plan_megatron.MegatronCoreBlock`."""
+    blocks = []
+    for module in model.modules():
+        if is_megatron_core_block(module):
+            blocks.append(MegatronCoreBlock.of(module))
+        elif hasattr(module, "set_layer_recompute") and hasattr(module, "probe"):
+            blocks.append(module)
     if len(blocks) != 1:
         raise MegatronCoreError(
-            "recompute planner: the model must hold one TransformerBlock (a module with "
-            f"set_layer_recompute), it holds {len(blocks)}"
+            "recompute planner: the model must hold one TransformerBlock (ours, with "
+            f"set_layer_recompute, or megatron-core's), it holds {len(blocks)}"
         )
     return blocks
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from megatron_core.tensor_parallel.recompute.plan_megatron import megatron_fields
+
 __all__ = [
     "OptionMeasure",
     "StageMeasure",
@@ -161,21 +163,18 @@ def smallest_fit(stage: StageMeasure) -> tuple[int, list[str]]:
 
 
 def _megatron_candidates(stage: StageMeasure) -> list[tuple[dict, list[str]]]:
-    layers, found = stage.layers, []
-    found.append(({"recompute_granularity": None}, ["none"] * layers))
-    for option in stage.options:
-        if option.startswith("selective:"):
-            modules = option.split(":", 1)[1].split("+")
-            fields = {"recompute_granularity": "selective", "recompute_modules": modules}
-            found.append((fields, [option] * layers))
+    """The plans megatron-core's TransformerConfig expresses from the stage's options (rule 6),
+    as (fields, choices): one option on every layer, or full recompute of the first n."""
+    layers = stage.layers
+    candidates = [[o] * layers for o in stage.options if not o.startswith("full")]
     for option in ("full", "full_distributed"):
-        if option not in stage.options:
-            continue
-        for n in range(1, layers + 1):
-            fields = {"recompute_granularity": "full", "recompute_method": "block",
-                      "recompute_num_layers": n,
-                      "distribute_saved_activations": option == "full_distributed"}  # fmt: skip
-            found.append((fields, [option] * n + ["none"] * (layers - n)))
+        if option in stage.options:
+            candidates += [[option] * n + ["none"] * (layers - n) for n in range(1, layers + 1)]
+    found = []
+    for choices in candidates:
+        fields = megatron_fields(choices)
+        if fields is not None:
+            found.append((fields, choices))
     return found
 
 
