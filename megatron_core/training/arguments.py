@@ -337,11 +337,12 @@ def _check_memory_budget(args: argparse.Namespace) -> None:
             f"--memory-budget ({budget}) chooses the recompute itself: drop "
             f"--recompute-granularity ({args.recompute_granularity})"
         )
-    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
+    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_chunk is not None and per_chunk < 2:
         raise MegatronCoreError(
             f"--memory-budget ({budget}) with --num-layers-per-virtual-pipeline-stage "
-            f"({args.num_layers_per_virtual_pipeline_stage}): the planner does not model the "
-            "interleaved schedule yet (1F1B without it is planned per stage)"
+            f"({per_chunk}): the planner measures a chunk's layers one after another and "
+            "needs at least 2 per chunk"
         )
 
 

@@ -72,17 +72,32 @@ def test_memory_budget_plans_trains_and_measures_within_the_budget():
     assert "done: iterations 1-3" in tight
 
 
-def test_memory_budget_plans_each_pipeline_stage():
-    # PP 2, four microbatches: stage 0 holds two of them at once under 1F1B (rank 0 prints its
-    # plan and its measured peak: the whole step of the schedule)
+@pytest.mark.parametrize("per_chunk, held", [(None, 2), (2, 5)])
+def test_memory_budget_plans_each_pipeline_stage(per_chunk, held):
+    # PP 2, four microbatches: stage 0 holds two of them at once under 1F1B; under the
+    # interleaved schedule (two chunks of two layers) its 2 + 2 warm-up forwards and one more
+    # (rank 0 prints its plan and its measured peak: the whole step of the schedule)
     argv = argv_of(BASE, memory_budget="1GiB", pipeline_model_parallel_size=2,
-                   tensor_model_parallel_size=1, num_layers=4, global_batch_size=16)  # fmt: skip
+                   tensor_model_parallel_size=1, num_layers=4 if per_chunk is None else 8,
+                   num_layers_per_virtual_pipeline_stage=per_chunk,
+                   global_batch_size=16)  # fmt: skip
     text = run_distributed(_printed, 2, argv, timeout=300)[0]
     assert "| 1 | none |" in text and "| 2 | none |" not in text, text  # its own two layers
-    assert "microbatches 4 per step, 2 held at once" in text, text
+    assert f"microbatches 4 per step, {held} held at once" in text, text
+    assert ("the plan is each of this rank's 2 model chunks'" in text) == bool(per_chunk), text
     predicted, measured, budget = _numbers(text)
     assert measured <= budget, text
     assert -0.10 * measured <= predicted - measured <= 0.25 * measured, text
+
+
+def test_a_stage_that_cannot_fit_stops_every_stage_with_its_error():
+    # Each pipeline stage plans alone; where one finds no plan, every rank raises its message
+    # (the others name the rank) before training, so no stage waits on a peer that stopped.
+    argv = argv_of(BASE, memory_budget="1MiB", pipeline_model_parallel_size=2,
+                   tensor_model_parallel_size=1, num_layers=4, global_batch_size=16)  # fmt: skip
+    first, second = run_distributed(_refusal, 2, argv, timeout=300)
+    assert re.search(r"no plan fits the budget of 1,048,576 bytes", first), first
+    assert second == first + " (rank 0)", (first, second)
 
 
 @pytest.mark.parametrize(
@@ -94,7 +109,8 @@ def test_memory_budget_plans_each_pipeline_stage():
         ({"memory_budget": "1GiB", "pipeline_model_parallel_size": 2,
           "tensor_model_parallel_size": 1, "num_layers": 4,
           "num_layers_per_virtual_pipeline_stage": 1},
-         r"the planner does not model the interleaved schedule yet"),
+         r"--num-layers-per-virtual-pipeline-stage \(1\): the planner .* needs at least 2 per "
+         r"chunk"),
     ],
 )  # fmt: skip
 def test_bad_memory_budgets_are_refused_before_training(options, message):

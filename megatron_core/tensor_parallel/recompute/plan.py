@@ -45,7 +45,13 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    new behind their layers' backward (u counts 0): G plus that microbatch's peak. Under 1F1B
    pipeline parallelism stage i of p holds w = min(p - i, m) microbatches at once
    (:func:`in_flight_microbatches`): each of the w - 1 others keeps ``pre + K_{L-1}``, added to
-   both kinds. A stage is probed alone: its ``forward`` makes the stage's input itself (a
+   both kinds. Under the interleaved schedule a rank runs vp model chunks of L layers each,
+   and holds its warm-up forwards plus one chunk-microbatches at once (the caller passes that
+   count, ``in_flight``, from ``pipeline_parallel.interleaved_warmup_microbatches``: this
+   family does not import the schedules); every chunk is probed, and one plan serves all of
+   them (:func:`measure_chunks`: each byte number the largest chunk's, a held
+   chunk-microbatch taken to keep what the largest keeps; the gradients of all chunks; the
+   times summed). A stage is probed alone: its ``forward`` makes the stage's input itself (a
    stage after the first) and returns the output times a gradient-shaped tensor, summed (a
    stage before the last), so one probe measures what one microbatch keeps there; the
    schedule's own buffers (received gradients, sends in flight) are not probed, and the
@@ -96,9 +102,9 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    expresses, and its plan is the megatron one: ``apply`` sets those fields in place, and the
    same fields build the model through TransformerConfig.
    (The prediction and the search live in plan_search.py, the measuring in plan_probe.py.)
-7. Scope. Any TP, SP, CP, precision; PP with the 1F1B schedule, each stage planned for its
-   own layers. The interleaved schedule (virtual pipeline stages: a stage holds several
-   chunks' microbatches in an order this model does not follow yet) is refused by name.
+7. Scope. Any TP, SP, CP, precision; PP with the 1F1B schedule or the interleaved one, each
+   stage planned for its own layers (its chunks alike under interleaving). Stages plan alone;
+   where one finds no plan, every rank raises its message (:func:`plan_recompute`).
 """
 
 from __future__ import annotations
@@ -150,6 +156,7 @@ __all__ = [
     "search_plan",
     "smallest_fit",
     "plan_recompute",
+    "measure_chunks",
     "choose_plan",
     "in_flight_microbatches",
 ]
@@ -236,13 +243,6 @@ def measure_stage(
     then agree the numbers across ranks (NOTE [ Recompute planner ], rules 2 and 5)."""
     (block,) = _find_blocks(model)
     config = block.config
-    if config.virtual_pipeline_model_parallel_size is not None:
-        raise MegatronCoreError(
-            "recompute planner: virtual_pipeline_model_parallel_size "
-            f"({config.virtual_pipeline_model_parallel_size}): the interleaved schedule is not "
-            "supported yet (its stages hold several chunks' microbatches); plan without "
-            "interleaving"
-        )
     layers = len(block.layers)
     if layers < 2:
         raise MegatronCoreError(
@@ -403,9 +403,11 @@ class RecomputePlan:
     def apply(self, model: torch.nn.Module) -> None:
         """Set the plan on ``model``'s TransformerBlock (``set_layer_recompute``; on
         megatron-core's block: its config's recompute fields and its layers' flags, as
-        :attr:`megatron`'s fields would have built them)."""
-        (block,) = _find_blocks(model)
-        block.set_layer_recompute(self.choices)
+        :attr:`megatron`'s fields would have built them); on each chunk of a list of them."""
+        several = isinstance(model, (list, tuple, torch.nn.ModuleList))
+        for chunk in model if several else [model]:
+            (block,) = _find_blocks(chunk)
+            block.set_layer_recompute(self.choices)
 
     def __str__(self) -> str:
         stage, lines = self.stage, []
@@ -420,6 +422,8 @@ class RecomputePlan:
             lines.append(
                 f"  microbatches {stage.microbatches} per step, {stage.in_flight} held at once"
             )
+        if stage.chunks > 1:
+            lines.append(f"  the plan is each of this rank's {stage.chunks} model chunks'")
         lines.append("  | layer | recompute | kept (MiB) | extra (ms) |")
         lines.append("  |---|---|---|---|")
         for j, choice in enumerate(self.choices):
@@ -440,26 +444,30 @@ class RecomputePlan:
 
 
 def plan_recompute(
-    model: torch.nn.Module,
-    forward: Callable[[], torch.Tensor],
+    model,
+    forward,
     budget,
     optimizer=None,
     activations_only: bool = False,
     options: Sequence[str] | None = None,
     repeats: int = 3,
     microbatches: int = 1,
+    in_flight: int | None = None,
 ) -> RecomputePlan:
     """Probe ``model`` and choose per layer the recompute with the least predicted time whose
     predicted peak fits ``budget`` (NOTE [ Recompute planner ]).
 
     Args:
-        model: a module holding one TransformerBlock (our GPTModel, or one pipeline stage's
-            chunk of it), in training mode, on this rank's device; every rank of the layout
-            calls this together (collectives within each pipeline stage).
+        model: a module holding one TransformerBlock (our GPTModel, one pipeline stage's chunk
+            of it, or megatron-core's GPTModel), in training mode, on this rank's device; under
+            the interleaved schedule the list (or ModuleList) of this rank's chunks, which get
+            one plan (rule 3). Every rank of the layout calls this together (collectives within
+            each pipeline stage).
         forward: runs one microbatch's forward and returns a scalar whose backward is the
             step's, as the training loop does it (autocast, loss scaling included): the loss;
             on a pipeline stage without the loss, e.g. the output times a gradient-shaped
-            tensor, summed, and the stage's input made inside ``forward`` (rule 3).
+            tensor, summed, and the stage's input made inside ``forward`` (rule 3). One per
+            chunk (a list) with several chunks.
         budget: bytes per rank (:func:`parse_memory_budget`: "2GiB", "80%", an int).
         optimizer: the optimizer whose states count towards the model states (before its
             first step, what they will take: ``pending_optimizer_state_bytes``), or None.
@@ -469,6 +477,10 @@ def plan_recompute(
         repeats: timed steps per option.
         microbatches: microbatches per step (gradient accumulation; under pipeline
             parallelism the schedule's microbatches: 1F1B holds up to pp - stage of them).
+        in_flight: the chunk-microbatches whose activations the schedule holds at once on this
+            rank (default :func:`in_flight_microbatches`, 1F1B's); needed with several chunks:
+            the interleaved schedule's warm-up forwards plus one
+            (``pipeline_parallel.interleaved_warmup_microbatches(...) + 1``).
 
     Raises:
         MegatronCoreError: a budget that is not a size, a layout the planner cannot probe,
@@ -476,18 +488,110 @@ def plan_recompute(
             fits and what it recomputes), on every rank alike.
     """
     limit_total = parse_memory_budget(budget)
-    rng = get_rng_snapshot()  # the probe steps' dropout draws leave the training's streams be
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise MegatronCoreError(f"recompute planner: microbatches ({microbatches!r}) must be >= 1")
+    chunks, forwards = _chunks_of(model, forward, in_flight)
+    if in_flight is None:
+        in_flight = in_flight_microbatches(microbatches)
+    elif isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise MegatronCoreError(f"recompute planner: in_flight ({in_flight!r}) must be >= 1")
+    rng = get_rng_snapshot()  # the probe steps' dropout draws leave the training's streams be
     try:
-        stage = measure_stage(model, forward, optimizer, options, repeats)
+        stage = measure_chunks(chunks, forwards, optimizer, options, repeats)
     finally:
         set_rng_snapshot(rng)
-    stage = dataclasses.replace(
-        stage, microbatches=microbatches, in_flight=in_flight_microbatches(microbatches)
-    )
-    (block,) = _find_blocks(model)
-    return choose_plan(stage, limit_total, activations_only, isinstance(block, MegatronCoreBlock))
+    stage = dataclasses.replace(stage, microbatches=microbatches, in_flight=in_flight)
+    megatron_only = isinstance(_find_blocks(chunks[0])[0], MegatronCoreBlock)
+    try:
+        plan, failure = choose_plan(stage, limit_total, activations_only, megatron_only), None
+    except MegatronCoreError as error:
+        plan, failure = None, str(error)
+    _raise_if_any_failed(failure)
+    return plan
+
+
+def _raise_if_any_failed(failure: str | None) -> None:
+    """Every rank raises where any stage's plan failed (stages plan alone, rule 5): the first
+    failing rank's message, so no rank trains on while another stops."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if failure is not None:
+            raise MegatronCoreError(failure)
+        return
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    for rank, message in enumerate(failures):
+        if message is not None:
+            where = "" if rank == dist.get_rank() else f" (rank {rank})"
+            raise MegatronCoreError(message + where)
+
+
+def _chunks_of(model, forward, in_flight) -> tuple[list, list]:
+    """The rank's chunks and their forwards; several only under the interleaved schedule."""
+    several = isinstance(model, (list, tuple, torch.nn.ModuleList))
+    chunks = list(model) if several else [model]
+    forwards = list(forward) if isinstance(forward, (list, tuple)) else [forward]
+    if not chunks or len(forwards) != len(chunks):
+        raise MegatronCoreError(
+            f"recompute planner: {len(chunks)} model chunk(s) and {len(forwards)} forward(s): "
+            "one forward per chunk"
+        )
+    blocks = [_find_blocks(chunk)[0] for chunk in chunks]
+    vp = blocks[0].config.virtual_pipeline_model_parallel_size
+    if (vp or 1) != len(chunks):
+        raise MegatronCoreError(
+            f"recompute planner: virtual_pipeline_model_parallel_size ({vp}) and "
+            f"{len(chunks)} model chunk(s): under the interleaved schedule pass every chunk of "
+            "this rank (a list), with a forward for each"
+        )
+    if len(chunks) > 1:
+        layers = {len(block.layers) for block in blocks}
+        if len(layers) != 1:
+            raise MegatronCoreError(
+                f"recompute planner: the chunks hold {sorted(layers)} layers; one plan for "
+                "every chunk needs the same number"
+            )
+        if in_flight is None:
+            raise MegatronCoreError(
+                "recompute planner: under the interleaved schedule pass in_flight, the "
+                "chunk-microbatches it holds at once on this rank "
+                "(pipeline_parallel.interleaved_warmup_microbatches(...) + 1)"
+            )
+    return chunks, forwards
+
+
+def measure_chunks(
+    chunks: Sequence[torch.nn.Module],
+    forwards: Sequence[Callable[[], torch.Tensor]],
+    optimizer=None,
+    options: Sequence[str] | None = None,
+    repeats: int = 3,
+) -> StageMeasure:
+    """:func:`measure_stage` of each of this rank's model chunks (one, or the interleaved
+    schedule's), as one StageMeasure for the plan they share (rule 3): the largest of each
+    byte number (a held chunk-microbatch is taken to keep what the largest keeps), the
+    gradients of all of them, each option's time summed over the chunks (per microbatch), and
+    the model states of all chunks and ``optimizer`` counted once (the stage's largest)."""
+    stages = [measure_stage(c, f, None, options, repeats) for c, f in zip(chunks, forwards)]
+    everything = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+    static = model_state_bytes(everything, optimizer) + pending_optimizer_state_bytes(optimizer)
+    static = int(_slowest([float(static)])[0])  # the largest of the stage's ranks
+    first = stages[0]
+    if len(stages) == 1:
+        return dataclasses.replace(first, static=static)
+    options = {
+        name: OptionMeasure(
+            *(max(getattr(s.options[name], f) for s in stages)
+              for f in ("kept", "forward", "backward", "left")),
+            sum(s.options[name].extra_ms for s in stages),
+        )
+        for name in first.options
+    }  # fmt: skip
+    return StageMeasure(
+        first.layers, static, *(max(getattr(s, f) for s in stages)
+                                for f in ("pre", "head", "head_left", "tail")),
+        sum(s.step_ms for s in stages), options, max(s.spread for s in stages),
+        grads=sum(s.grads for s in stages), chunks=len(stages),
+    )  # fmt: skip
 
 
 def choose_plan(

@@ -51,6 +51,7 @@ class StageMeasure:
     grads: int = 0  # what a whole step leaves allocated: the gradients (rule 3's steady state)
     microbatches: int = 1  # microbatches of a step on this stage
     in_flight: int = 1  # microbatches whose activations the stage holds at once (rule 3)
+    chunks: int = 1  # model chunks of the rank (the interleaved schedule's), one plan for all
 
 
 def headroom(stage: StageMeasure, budget: int) -> int:

@@ -112,27 +112,31 @@ def test_predicted_peak_matches_the_allocator_and_fits_the_budget(
         )  # fmt: skip
 
 
-def _stage_model(pp, microbatches, layers=4, seq=64, hidden=32):
-    """This rank's stage of our GPT (the main job's pipeline build), its probe forward (rule 3:
-    a stage without the loss returns its output times a gradient-shaped tensor, summed; a
-    stage after the first makes its input inside), and a real step of the schedule."""
+def _stage_model(pp, microbatches, vp=None, layers=4, seq=64, hidden=32):
+    """This rank's chunks of our GPT (the main job's pipeline build: one, or vp under the
+    interleaved schedule), their probe forwards (rule 3: a chunk without the loss returns its
+    output times a gradient-shaped tensor, summed; a chunk after the first makes its input
+    inside), and a real step of the schedule."""
     from megatron_core.pipeline_parallel import get_forward_backward_func
     from megatron_core.training.memory_plan import stage_probe_forward
     from megatron_core.training.pipeline_step import build_pipeline_model
 
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp
+    )
     model_parallel_cuda_manual_seed(5)
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=4,
-        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-        hidden_dropout=0.1, attention_dropout=0.1,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+        pipeline_dtype=torch.float32, hidden_dropout=0.1, attention_dropout=0.1,
     )  # fmt: skip
-    chunk = build_pipeline_model(config, VOCAB, seq)
+    built = build_pipeline_model(config, VOCAB, seq)
+    chunks = list(built) if vp else [built]
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
     labels = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
 
-    forward = stage_probe_forward(chunk, tokens, labels, seq)
+    forwards = [stage_probe_forward(chunk, tokens, labels, seq) for chunk in chunks]
 
     def forward_step(iterator, model):
         next(iterator)
@@ -141,22 +145,31 @@ def _stage_model(pp, microbatches, layers=4, seq=64, hidden=32):
 
     def step():
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(range(microbatches)), model=chunk,
-            num_microbatches=microbatches, seq_length=seq, micro_batch_size=BATCH,
+            forward_step_func=forward_step,
+            data_iterator=[iter(range(microbatches)) for _ in chunks] if vp else
+            iter(range(microbatches)),
+            model=chunks if vp else chunks[0], num_microbatches=microbatches, seq_length=seq,
+            micro_batch_size=BATCH,
         )  # fmt: skip
 
-    return chunk, forward, step
+    return chunks, forwards, step
 
 
-def _schedule_plans_against_measurement(pp, microbatches):
+def _schedule_plans_against_measurement(pp, microbatches, vp):
     import dataclasses
 
-    from megatron_core.tensor_parallel.recompute.plan import in_flight_microbatches
+    from megatron_core.pipeline_parallel import interleaved_warmup_microbatches
+    from megatron_core.tensor_parallel.recompute.plan import in_flight_microbatches, measure_chunks
     from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
 
-    chunk, forward, step = _stage_model(pp, microbatches)
-    stage = measure_stage(chunk, forward, repeats=1)
-    in_flight = in_flight_microbatches(microbatches)
+    chunks, forwards, step = _stage_model(pp, microbatches, vp, layers=8 if vp else 4)
+    stage = measure_chunks(chunks, forwards, repeats=1)
+    if vp:  # the interleaved schedule's warm-up forwards, then one more before a backward
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        in_flight = interleaved_warmup_microbatches(microbatches, pp, rank, vp) + 1
+        in_flight = min(in_flight, microbatches * vp)
+    else:
+        in_flight = in_flight_microbatches(microbatches)
     stage = dataclasses.replace(stage, microbatches=microbatches, in_flight=in_flight)
     layers = stage.layers
     none_peak = predict_peak(stage, ["none"] * layers)
@@ -167,25 +180,32 @@ def _schedule_plans_against_measurement(pp, microbatches):
     limits += [int(smallest + share * (none_peak - smallest)) for share in (0.5, 0)]
     for limit in limits:
         choices, predicted, _ = search_plan(stage, limit - headroom(stage, limit))
-        chunk.decoder.set_layer_recompute(choices)
-        chunk.zero_grad(set_to_none=True)
+        for chunk in chunks:
+            chunk.decoder.set_layer_recompute(choices)
+            chunk.zero_grad(set_to_none=True)
         timeline = MemoryTimeline()
         with timeline:
             step()
             timeline.mark("end")
-        chunk.zero_grad(set_to_none=True)
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=True)
         rows.append((limit, choices, predicted, timeline.as_dict()["end"][1]))
     return in_flight, rows
 
 
-@pytest.mark.parametrize("pp, microbatches", [(2, 4), (1, 3)])
-def test_the_schedule_s_microbatches_are_predicted_and_fit_the_budget(pp, microbatches):
+@pytest.mark.parametrize("pp, microbatches, vp", [(2, 4, None), (1, 3, None), (2, 4, 2)])
+def test_the_schedule_s_microbatches_are_predicted_and_fit_the_budget(pp, microbatches, vp):
     # NOTE [ Recompute planner ], rule 3: under 1F1B stage i holds min(pp - i, m) microbatches'
-    # activations; after the first microbatch's backward the gradients stay allocated. The
-    # measured peak is that of a whole step of the schedule (every microbatch, every stage).
-    results = run_distributed(_schedule_plans_against_measurement, pp, pp, microbatches,
+    # activations; under the interleaved schedule its warm-up forwards + 1 chunk-microbatches;
+    # after the first microbatch's backward the gradients stay allocated. The measured peak is
+    # that of a whole step of the schedule (every microbatch, every stage).
+    results = run_distributed(_schedule_plans_against_measurement, pp, pp, microbatches, vp,
                               timeout=300)  # fmt: skip
-    assert [in_flight for in_flight, _ in results] == [min(pp - r, microbatches) for r in range(pp)]
+    if vp is None:
+        wanted = [min(pp - r, microbatches) for r in range(pp)]
+    else:  # (pp - rank - 1) * 2 + (vp - 1) * pp warm-up forwards, then one more
+        wanted = [min((pp - r - 1) * 2 + (vp - 1) * pp + 1, microbatches * vp) for r in range(pp)]
+    assert [in_flight for in_flight, _ in results] == wanted
     for _, rows in results:
         assert rows[0][1] == ["none"] * len(rows[0][1])  # the no-recompute peak fits
         assert rows[-1][1] != rows[0][1]  # the smallest budget needs recompute
@@ -289,8 +309,8 @@ def _refused(kind):
 @pytest.mark.parametrize(
     "kind, world, message",
     [
-        ("vp", 2, r"virtual_pipeline_model_parallel_size \(2\): the interleaved schedule is "
-                  r"not supported yet"),
+        ("vp", 2, r"virtual_pipeline_model_parallel_size \(2\) and 1 model chunk\(s\): under "
+                  r"the interleaved schedule pass every chunk"),
         ("eval", 1, r"the model must be in training mode"),
         ("disagree", 2, r"probe steps disagree: with 'none' on every layer their peaks range "
                         r"from [\d,]+ to [\d,]+ bytes"),  # fmt: skip
