@@ -1,14 +1,17 @@
 """The recompute planner's prediction on pipeline stages against a real step of the schedule.
 
-Two gloo CPU ranks, our GPT split over two 1F1B pipeline stages (the main job's pipeline
-build), ``--microbatches`` per step. Each stage probes its own layers (its ``forward`` as
-NOTE [ Recompute planner ], rule 3 says), then for every option on all of its layers the
-predicted peak (the stage holding min(pp - stage, m) microbatches, the later microbatches with
-every gradient allocated) is printed beside the peak of one whole step of the schedule with
-that option (MemoryTimeline: the profiler's allocator events), both above the model states.
+Two gloo CPU ranks, our GPT split over two pipeline stages (the main job's pipeline build:
+1F1B, or the interleaved schedule with ``--vp`` chunks per stage), ``--microbatches`` per step.
+Each stage probes its own layers (its ``forward`` as NOTE [ Recompute planner ], rule 3 says;
+every chunk of it under interleaving), then for every option on all of its layers the predicted
+peak (the stage holding min(pp - stage, m) microbatches under 1F1B, its warm-up forwards plus
+one chunk-microbatches interleaved; the later microbatches with every gradient allocated) is
+printed beside the peak of one whole step of the schedule with that option (MemoryTimeline:
+the profiler's allocator events), both above the model states.
 
     python scripts/check_recompute_plan_pipeline.py
     python scripts/check_recompute_plan_pipeline.py --microbatches 8 --layers 8 --seq 128
+    python scripts/check_recompute_plan_pipeline.py --vp 2 --layers 8
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ _VOCAB, _BATCH = 128, 2
 
 def _rank(rank: int, args, port: int, queue) -> None:
     from megatron_core import parallel_state
-    from megatron_core.pipeline_parallel import get_forward_backward_func
+    from megatron_core.pipeline_parallel import (
+        get_forward_backward_func,
+        interleaved_warmup_microbatches,
+    )
     from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron_core.tensor_parallel.recompute.plan import (
         in_flight_microbatches,
-        measure_stage,
+        measure_chunks,
         predict_peak,
     )
     from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
@@ -47,42 +53,51 @@ def _rank(rank: int, args, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    vp = args.vp
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vp
+    )
     model_parallel_cuda_manual_seed(5)
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
-        pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
-        hidden_dropout=0.1, attention_dropout=0.1,
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vp,
+        pipeline_dtype=torch.float32, hidden_dropout=0.1, attention_dropout=0.1,
     )  # fmt: skip
-    chunk = build_pipeline_model(config, _VOCAB, args.seq)
+    built = build_pipeline_model(config, _VOCAB, args.seq)
+    chunks = list(built) if vp else [built]
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, _VOCAB, (_BATCH, args.seq), generator=gen)
     labels = torch.randint(0, _VOCAB, (_BATCH, args.seq), generator=gen)
-    first, last = chunk.pre_process, chunk.post_process
-
-    forward = stage_probe_forward(chunk, tokens, labels, args.seq)  # one microbatch, this stage
+    # one microbatch of each of this stage's chunks
+    forwards = [stage_probe_forward(chunk, tokens, labels, args.seq) for chunk in chunks]
 
     def forward_step(iterator, model):
         next(iterator)
-        out = model(tokens if first else None, labels if last else None)
+        out = model(tokens if model.pre_process else None, labels if model.post_process else None)
         return out, lambda o: (o.mean(), {"loss": o.mean().detach()})
 
-    stage = measure_stage(chunk, forward, repeats=1)
+    stage = measure_chunks(chunks, forwards, repeats=1)
     m = args.microbatches
-    stage = dataclasses.replace(stage, microbatches=m, in_flight=in_flight_microbatches(m))
+    in_flight = in_flight_microbatches(m)
+    if vp:
+        in_flight = min(interleaved_warmup_microbatches(m, 2, rank, vp) + 1, m * vp)
+    stage = dataclasses.replace(stage, microbatches=m, in_flight=in_flight)
     rows = []
     for option in stage.options:
         choices = [option] * stage.layers
-        chunk.decoder.set_layer_recompute(choices)
-        chunk.zero_grad(set_to_none=True)
+        for chunk in chunks:
+            chunk.decoder.set_layer_recompute(choices)
+            chunk.zero_grad(set_to_none=True)
         timeline = MemoryTimeline()
         with timeline:
             get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(range(m)), model=chunk,
+                forward_step_func=forward_step, model=chunks if vp else chunks[0],
+                data_iterator=[iter(range(m)) for _ in chunks] if vp else iter(range(m)),
                 num_microbatches=m, seq_length=args.seq, micro_batch_size=_BATCH,
             )  # fmt: skip
             timeline.mark("end")
-        chunk.zero_grad(set_to_none=True)
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=True)
         measured = timeline.as_dict()["end"][1]
         rows.append((rank, stage.in_flight, option, predict_peak(stage, choices), measured))
     gathered = [None, None] if rank == 0 else None
@@ -98,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--vp", type=int, default=None, help="chunks per stage (interleaved)")
     args = parser.parse_args(argv)
     rows = run_ranks(_rank, 2, args)
-    print(f"two 1F1B stages, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
+    schedule = "1F1B" if args.vp is None else f"interleaved ({args.vp} chunks each)"
+    print(f"two {schedule} stages, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
           f"batch {_BATCH}, {args.microbatches} microbatches (CPU, gloo, fp32)")  # fmt: skip
     print("| stage | held at once | option (every layer) | predicted KiB | measured KiB | error |")
     print("|---|---|---|---|---|---|")
