@@ -2,15 +2,16 @@
 no-recompute peak down to the full-recompute peak.
 
 One rank (gloo on the CPU, or NCCL on a GPU with ``--device cuda``), our GPT. Hand options are
-megatron-core's TransformerConfig settings: none; selective with each ``recompute_modules`` set
-the planner knows; full with the uniform method and every ``recompute_num_layers``; full with
-the block method and every ``recompute_num_layers``. Each is measured once: its peak above the
-model states (MemoryTimeline: the profiler's allocator events on a CPU, max_memory_allocated on
-a GPU) and its median step time (forward + backward) over ``--repeats`` rounds, every option
-once per round in a rotated order. Then for each budget (from 1.05 x the smallest hand peak to
-the no-recompute peak) the planner's plan (its own probe,
-``plan_recompute``) is measured the same way and compared with the fastest hand option whose
-measured peak fits. Prints a markdown table and a text plot of step time against budget.
+megatron-core's TransformerConfig settings: none; selective with megatron-core's
+``recompute_modules`` sets; full with the uniform method and every ``recompute_num_layers``;
+full with the block method and every ``recompute_num_layers``. Their peaks above the model states
+(MemoryTimeline: the profiler's allocator events on a CPU, max_memory_allocated on a GPU) set
+the budgets (from 1.05 x the smallest hand peak to the no-recompute peak); the planner plans
+each budget (its own probe, ``plan_recompute``). Then every hand option and every plan is
+measured the same way: its peak, and its median step time (forward + backward) over
+``--repeats`` rounds in which each runs once, in a rotated order (side by side: a slow spell of
+the machine hits them alike). Each plan is compared with the fastest hand option whose measured
+peak fits. Prints a markdown table and a text plot of step time against budget.
 
     python scripts/benchmark_recompute_plan.py                     # CPU, ~2-4 minutes
     python scripts/benchmark_recompute_plan.py --device cuda --layers 8 --hidden 1024 --seq 2048
@@ -36,10 +37,11 @@ from megatron_core.tensor_parallel.recompute.plan import plan_recompute  # noqa:
 from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline  # noqa: E402
 
 _MiB = 1 << 20
+# megatron-core's recompute_modules of a dense layer ("activation" is this package's alone)
 _MODULES = (
     ["core_attn"],
-    ["core_attn", "activation"],
-    ["layernorm", "core_attn", "activation"],
+    ["core_attn", "mlp"],
+    ["layernorm", "core_attn"],
     ["layernorm", "core_attn", "mlp"],
 )
 
@@ -104,7 +106,8 @@ def _measure(model, forward, setters: dict, repeats: int) -> dict[str, tuple[int
             name = names[(i + round_) % len(names)]
             setters[name]()
             times[name].append(_step_ms(model, forward))
-    return {n: (peaks[n], sorted(times[n])[len(times[n]) // 2]) for n in names}
+    return {n: (peaks[n], sorted(times[n])[len(times[n]) // 2] if times[n] else None)
+            for n in names}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,25 +126,34 @@ def main(argv: list[str] | None = None) -> int:
         return model(tokens, labels).mean()
 
     forward().backward()  # warm-up
-    hand = _hand_options(args.layers)
-    measured = _measure(
-        model, forward, {n: (lambda f=f: _set_hand(model, f)) for n, f in hand}, args.repeats
-    )
-    none_peak = measured["none"][0]
-    full_peak = min(p for p, _ in measured.values())
+    hand = {n: (lambda f=f: _set_hand(model, f)) for n, f in _hand_options(args.layers)}
+    hand_peaks = _measure(model, forward, hand, 0)  # peaks only: they set the budgets
+    none_peak = hand_peaks["none"][0]
+    full_peak = min(p for p, _ in hand_peaks.values())
     low = full_peak * 1.05  # the planner keeps 2% of a budget free (NOTE, rule 5)
     budgets = [int(low + (none_peak - low) * i / (args.budgets - 1)) for i in range(args.budgets)]
-    rows = []
+    plans = {}
     for budget in budgets:
         try:
-            plan = plan_recompute(model, forward, budget, activations_only=True,
-                                  repeats=args.repeats)  # fmt: skip
+            plans[budget] = plan_recompute(model, forward, budget, activations_only=True,
+                                           repeats=args.repeats)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - a budget the planner cannot meet is a row
-            rows.append((budget, None, None, None, str(error).split(";")[0]))
+            plans[budget] = str(error).split(";")[0]
+    # Every hand option and every distinct plan timed in the same round-robin rounds: their
+    # ratios are measured side by side.
+    setters = dict(hand)
+    for plan in plans.values():
+        if not isinstance(plan, str):
+            key = "plan " + ",".join(plan.choices)
+            setters[key] = lambda choices=plan.choices: _set_plan(model, choices)
+    measured = _measure(model, forward, setters, args.repeats)
+    rows = []
+    for budget, plan in plans.items():
+        if isinstance(plan, str):
+            rows.append((budget, None, None, None, plan))
             continue
-        setter = {"plan": lambda choices=plan.choices: _set_plan(model, choices)}
-        mine = _measure(model, forward, setter, args.repeats)["plan"]
-        fits = [(t, n) for n, (p, t) in measured.items() if p <= budget]
+        mine = measured["plan " + ",".join(plan.choices)]
+        fits = [(t, n) for n, (p, t) in measured.items() if n in hand and p <= budget]
         best = min(fits) if fits else None
         counts = {c: plan.choices.count(c) for c in dict.fromkeys(plan.choices)}
         rows.append((budget, mine, best, plan.predicted_peak,

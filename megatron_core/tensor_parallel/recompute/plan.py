@@ -70,7 +70,12 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    final K: a state is dropped when even its kept-so-far breaks the limit with them (the
    final K is at least that), and each finished plan is checked against its exact prediction.
    No plan fits: the error names the smallest budget that fits (a bisection over the budget)
-   and what that plan recomputes.
+   and what that plan recomputes. Last, where the search's plan and the fastest megatron-core
+   setting that fits (rule 6) differ, both are timed (``repeats`` steps each, round-robin) and
+   the faster is the plan (``RecomputePlan.timed``): the time model is a sum of per-layer costs
+   from uniform probes, and a mixed plan's step can cost more than that sum (on a CPU one
+   layer's core-attention recompute among layers that keep theirs cost 2-4x its uniform
+   share), so the plan is never slower than megatron-core's best that fits as measured there.
 5. Agreement. Ranks probe their own step; each rank's predicted peak with each option on every
    layer is compared (all_reduce MIN and MAX over the default group) and must agree within 25%
    (one layout, one shape per rank; ranks differ a little legitimately, more so in a small
@@ -389,6 +394,9 @@ class RecomputePlan:
         megatron: the fastest plan megatron-core's TransformerConfig can express that fits
             (its fields, predicted peak and overhead), or None where none fits.
         stage: the measurements.
+        timed: where the per-layer plan and the megatron one differed, both were timed (ms per
+            microbatch, ``plan_ms`` for the per-layer one as searched, ``megatron_ms``) and the
+            faster became :attr:`choices` (rule 4); else None.
     """
 
     choices: list[str]
@@ -399,6 +407,7 @@ class RecomputePlan:
     step_ms: float
     megatron: dict | None
     stage: StageMeasure
+    timed: dict | None = None
 
     def apply(self, model: torch.nn.Module) -> None:
         """Set the plan on ``model``'s TransformerBlock (``set_layer_recompute``; on
@@ -430,6 +439,12 @@ class RecomputePlan:
             option = stage.options[choice]
             lines.append(
                 f"  | {j} | {choice} | {option.kept / _MiB:.2f} | {option.extra_ms:.2f} |"
+            )
+        if self.timed is not None:
+            lines.append(
+                f"  timed: the per-layer search's plan {self.timed['plan_ms']:.2f} ms, "
+                f"megatron-core's {self.timed['megatron_ms']:.2f} ms per microbatch "
+                "(the faster is the plan)"
             )
         if self.megatron is None:
             lines.append("  megatron-core TransformerConfig: no single setting fits")
@@ -507,7 +522,41 @@ def plan_recompute(
     except MegatronCoreError as error:
         plan, failure = None, str(error)
     _raise_if_any_failed(failure)
-    return plan
+    rng = get_rng_snapshot()
+    try:
+        return _timed_choice(plan, chunks, forwards, repeats)
+    finally:
+        set_rng_snapshot(rng)
+
+
+def _timed_choice(plan: RecomputePlan, chunks, forwards, repeats: int) -> RecomputePlan:
+    """Rule 4's last step: where the per-layer plan and the megatron-core one differ, both run
+    ``repeats`` timed steps (round-robin; the slowest rank's median) and the faster is kept.
+    The time model adds per-layer costs measured on uniform probes; a mixed plan's step can
+    cost more than that sum (on a CPU, recomputing one layer's core attention beside layers
+    that keep theirs cost 2-4x its uniform share), and both plans fit the budget."""
+    megatron = plan.megatron
+    if megatron is None or megatron["choices"] == plan.choices or repeats < 1:
+        return plan
+    times: dict[str, list[float]] = {"plan": [], "megatron": []}
+    for round_ in range(repeats):
+        order = ("plan", "megatron") if round_ % 2 == 0 else ("megatron", "plan")
+        for which in order:
+            choices = plan.choices if which == "plan" else megatron["choices"]
+            times[which].append(sum(
+                time_step(chunk, choices, forward, 1) for chunk, forward in zip(chunks, forwards)
+            ))  # fmt: skip
+    for chunk in chunks:
+        _find_blocks(chunk)[0].set_layer_recompute(None)
+    mine, theirs = (sorted(t)[len(t) // 2] for t in (times["plan"], times["megatron"]))
+    mine, theirs = _slowest([mine, theirs])
+    timed = {"plan_ms": mine, "megatron_ms": theirs}
+    if theirs < mine:
+        return dataclasses.replace(
+            plan, choices=list(megatron["choices"]), predicted_peak=megatron["predicted_peak"],
+            overhead_ms=megatron["overhead_ms"], timed=timed,
+        )  # fmt: skip
+    return dataclasses.replace(plan, timed=timed)
 
 
 def _raise_if_any_failed(failure: str | None) -> None:

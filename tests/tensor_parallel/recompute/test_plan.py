@@ -345,3 +345,41 @@ def test_bad_layer_choices_are_refused_and_change_nothing(choices, message):
     ((error, state),) = run_distributed(_bad_choice, 1, choices)
     assert error is not None and re.search(message, error), error
     assert state is None
+
+
+def _timed_choice_of(slow):
+    import dataclasses
+    import time
+
+    from megatron_core.tensor_parallel.recompute.plan import _timed_choice, choose_plan
+
+    model, tokens, labels = _model()
+    stage = measure_stage(model, lambda: model(tokens, labels).mean(), repeats=1)
+    plan = choose_plan(stage, 10**12, activations_only=True)
+    searched, megatron = ["selective:core_attn", "none", "none"], ["full", "none", "none"]
+    plan = dataclasses.replace(
+        plan, choices=searched, megatron=dict(plan.megatron, choices=megatron, overhead_ms=9.0)
+    )
+    slow_kind = "selective" if slow == "searched" else "full"
+
+    def forward():  # the slow plan's steps take 0.2 s more
+        if model.decoder.layer_recompute[0] == slow_kind:
+            time.sleep(0.2)
+        return model(tokens, labels).mean()
+
+    chosen = _timed_choice(plan, [model], [forward], repeats=3)
+    return chosen.choices, chosen.overhead_ms, chosen.timed, model.decoder.layer_recompute
+
+
+@pytest.mark.parametrize("slow", ["searched", "megatron"])
+def test_the_faster_of_the_searched_and_megatron_plans_is_kept(slow):
+    # NOTE [ Recompute planner ], rule 4's last step: both plans fit; their timed steps decide.
+    ((choices, overhead, timed, after),) = run_distributed(_timed_choice_of, 1, slow)
+    assert set(timed) == {"plan_ms", "megatron_ms"}
+    if slow == "searched":
+        assert choices == ["full", "none", "none"] and overhead == 9.0
+        assert timed["plan_ms"] > timed["megatron_ms"] + 150
+    else:
+        assert choices == ["selective:core_attn", "none", "none"]
+        assert timed["megatron_ms"] > timed["plan_ms"] + 150
+    assert after is None  # the block is left with its config's recompute
