@@ -34,7 +34,7 @@ from check_recompute_plan_cuda import one_rank_gpt  # noqa: E402
 
 from megatron_core import device  # noqa: E402
 from megatron_core.tensor_parallel.recompute.plan import plan_recompute  # noqa: E402
-from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline  # noqa: E402
+from megatron_core.tensor_parallel.recompute.plan_probe import step_peak  # noqa: E402
 
 _MiB = 1 << 20
 # megatron-core's recompute_modules of a dense layer ("activation" is this package's alone)
@@ -76,13 +76,7 @@ def _set_plan(model, choices) -> None:
 
 
 def _peak(model, forward) -> int:
-    model.zero_grad(set_to_none=True)
-    timeline = MemoryTimeline()
-    with timeline:
-        forward().backward()
-        timeline.mark("end")
-    model.zero_grad(set_to_none=True)
-    return max(peak for _, _, peak in timeline.points)
+    return step_peak(model, lambda: forward().backward())
 
 
 def _step_ms(model, forward) -> float:

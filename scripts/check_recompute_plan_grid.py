@@ -70,7 +70,7 @@ def _rank(rank: int, layout: Layout, port: int, queue) -> None:
         search_plan,
         smallest_fit,
     )
-    from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
+    from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
     from megatron_core.transformer import GPTModel, TransformerConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -111,14 +111,8 @@ def _rank(rank: int, layout: Layout, port: int, queue) -> None:
                   smallest):  # fmt: skip
         choices, predicted, _ = search_plan(stage, limit - headroom(stage, limit))
         model.decoder.set_layer_recompute(choices)
-        model.zero_grad(set_to_none=True)
-        timeline = MemoryTimeline()
-        with timeline:
-            for _ in range(m):
-                forward().backward()
-            timeline.mark("end")
-        model.zero_grad(set_to_none=True)
-        rows.append((limit, choices, predicted, timeline.as_dict()["end"][1]))
+        measured = step_peak(model, lambda: [forward().backward() for _ in range(m)])
+        rows.append((limit, choices, predicted, measured))
     gathered = [None] * layout.world if rank == 0 else None
     dist.gather_object(rows, gathered, dst=0)
     if rank == 0:

@@ -45,7 +45,7 @@ def _rank(rank: int, args, port: int, queue) -> None:
         measure_chunks,
         predict_peak,
     )
-    from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
+    from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
     from megatron_core.training.memory_plan import stage_probe_forward
     from megatron_core.training.pipeline_step import build_pipeline_model
     from megatron_core.transformer import TransformerConfig
@@ -87,18 +87,15 @@ def _rank(rank: int, args, port: int, queue) -> None:
         choices = [option] * stage.layers
         for chunk in chunks:
             chunk.decoder.set_layer_recompute(choices)
-            chunk.zero_grad(set_to_none=True)
-        timeline = MemoryTimeline()
-        with timeline:
+
+        def step():
             get_forward_backward_func()(
                 forward_step_func=forward_step, model=chunks if vp else chunks[0],
                 data_iterator=[iter(range(m)) for _ in chunks] if vp else iter(range(m)),
                 num_microbatches=m, seq_length=args.seq, micro_batch_size=_BATCH,
             )  # fmt: skip
-            timeline.mark("end")
-        for chunk in chunks:
-            chunk.zero_grad(set_to_none=True)
-        measured = timeline.as_dict()["end"][1]
+
+        measured = step_peak(chunks, step)
         rows.append((rank, stage.in_flight, option, predict_peak(stage, choices), measured))
     gathered = [None, None] if rank == 0 else None
     dist.gather_object(rows, gathered, dst=0)

@@ -59,16 +59,10 @@ def _setup(tp, seq, hidden):
 def _measured_step(model, forward) -> int:
     """The allocator's peak of one forward + backward above what was allocated before it (a
     warm-up step first: megatron-core makes some buffers on its first forward)."""
-    from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
+    from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
 
     forward().backward()
-    model.zero_grad(set_to_none=True)
-    timeline = MemoryTimeline()
-    with timeline:
-        forward().backward()
-        timeline.mark("end")
-    model.zero_grad(set_to_none=True)
-    return timeline.as_dict()["end"][1]
+    return step_peak(model, lambda: forward().backward())
 
 
 def _megatron_plans_against_measurement(tp, seq, hidden):

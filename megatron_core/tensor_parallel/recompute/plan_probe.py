@@ -31,6 +31,7 @@ __all__ = [
     "gradient_bytes",
     "pending_optimizer_state_bytes",
     "probe_step",
+    "step_peak",
     "time_step",
 ]
 
@@ -260,6 +261,23 @@ def probe_step(
         block.probe = None
         model.zero_grad(set_to_none=True)
     return Probe(timeline.as_dict(), marks.shape)
+
+
+def step_peak(modules, step: Callable[[], object]) -> int:
+    """The most bytes allocated while ``step()`` runs (forwards and backwards of a training
+    step, a pipeline schedule's included), above what was allocated as it began
+    (:class:`MemoryTimeline`). The gradients of ``modules`` (a module, or a list of a rank's
+    model chunks) are dropped before the step (the timeline must see no older frees) and after."""
+    modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+    timeline = MemoryTimeline()
+    with timeline:
+        step()
+        timeline.mark("end")
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+    return max(peak for _, _, peak in timeline.points)
 
 
 def time_step(

@@ -160,7 +160,7 @@ def _schedule_plans_against_measurement(pp, microbatches, vp):
 
     from megatron_core.pipeline_parallel import interleaved_warmup_microbatches
     from megatron_core.tensor_parallel.recompute.plan import in_flight_microbatches, measure_chunks
-    from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
+    from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
 
     chunks, forwards, step = _stage_model(pp, microbatches, vp, layers=8 if vp else 4)
     stage = measure_chunks(chunks, forwards, repeats=1)
@@ -182,14 +182,7 @@ def _schedule_plans_against_measurement(pp, microbatches, vp):
         choices, predicted, _ = search_plan(stage, limit - headroom(stage, limit))
         for chunk in chunks:
             chunk.decoder.set_layer_recompute(choices)
-            chunk.zero_grad(set_to_none=True)
-        timeline = MemoryTimeline()
-        with timeline:
-            step()
-            timeline.mark("end")
-        for chunk in chunks:
-            chunk.zero_grad(set_to_none=True)
-        rows.append((limit, choices, predicted, timeline.as_dict()["end"][1]))
+        rows.append((limit, choices, predicted, step_peak(chunks, step)))
     return in_flight, rows
 
 
