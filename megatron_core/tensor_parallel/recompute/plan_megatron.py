@@ -181,10 +181,6 @@ class MegatronCoreBlock:
             layer.self_attention.checkpoint_core_attention = values[3]
 
     @property
-    def training(self) -> bool:
-        return self.block.training
-
-    @property
     def probe(self):
         """The planner's marks (plan_probe.LayerMarks) while a probe step runs, else None."""
         return self._probe
