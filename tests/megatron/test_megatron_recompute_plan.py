@@ -150,3 +150,47 @@ def test_megatron_gpt_refusals_name_what_megatron_core_expresses():
     assert re.search(r"no plan fits the budget of 1,000 bytes.*smallest that fits is [\d,]+ "
                      r"bytes.*megatron-core TransformerConfig: recompute_granularity='full', "
                      r"recompute_method='block', recompute_num_layers=\d", no_fit), no_fit
+
+
+def _with_ddp_and_optimizer():
+    build, forward_of = _setup(1, 128, 32)  # installs the switch before megatron is imported
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_core.tensor_parallel.recompute.plan import plan_recompute
+    from megatron_core.tensor_parallel.recompute.plan_probe import model_state_bytes, step_peak
+
+    model = build()
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True
+    )
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [ddp]
+    )
+    forward = forward_of(ddp)
+    # before the first step: Adam's moments (of the shards) counted as the step will make them
+    plan = plan_recompute(ddp, forward, "1GiB", optimizer, repeats=1)
+
+    def step():
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward().backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+
+    step()
+    states = model_state_bytes(ddp, optimizer)
+    return plan.stage.static, states, plan.predicted_peak, states + step_peak([], step)
+
+
+def test_megatron_ddp_and_distributed_optimizer_states_are_counted():
+    # megatron-core's ChainedOptimizer / DistributedOptimizer (its state a ProxyDict over the
+    # inner torch optimizers', its main weights and moments shards of the data-parallel group)
+    # and DDP's gradient buffers, counted before the first step as they are after it.
+    for static, states, predicted, measured in run_distributed(
+        _with_ddp_and_optimizer, 2, timeout=300
+    ):
+        assert abs(states - static) <= 0.001 * states, (static, states)  # Adam's step counters
+        assert measured <= 1 << 30
+        assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)

@@ -143,13 +143,36 @@ class LayerMarks:
         return hook
 
 
+def _optimizers(optimizer) -> list:
+    """``optimizer`` and every optimizer inside it: the one a wrapper holds (``.optimizer``, as a
+    mixed-precision wrapper or megatron-core's MegatronOptimizer does) and those a chain holds
+    (megatron-core's ChainedOptimizer, ``.chained_optimizers``), each once."""
+    found, todo = [], [optimizer]
+    while todo:
+        current = todo.pop(0)
+        if current is None or any(current is seen for seen in found):
+            continue
+        found.append(current)
+        todo += list(getattr(current, "chained_optimizers", None) or [])
+        todo.append(getattr(current, "optimizer", None))
+    return found
+
+
+def _state_dicts(optimizer) -> list:
+    """The per-parameter state dicts of one optimizer object (a torch optimizer's ``state``; a
+    wrapper's view of its inner optimizers' state, megatron-core's ProxyDict, is skipped: the
+    inner optimizers are counted themselves)."""
+    state = getattr(optimizer, "state", None)
+    return list(state.values()) if isinstance(state, dict) else []
+
+
 def model_state_bytes(model: torch.nn.Module, optimizer=None) -> int:
     """Bytes of this rank's model states, each storage once: the parameters and their
-    gradients (``.grad``, and ``.main_grad`` where present), and for ``optimizer`` (and the
-    optimizer it wraps, ``.optimizer``, as a mixed-precision wrapper does) the parameters of its
-    groups (fp32 main weights) with their gradients, and its state tensors (Adam's moments).
-    Counted from the objects, not estimated: an optimizer that has not stepped yet has no
-    state to count."""
+    gradients (``.grad``, and ``.main_grad`` where present: megatron-core DDP's buffers), and
+    for ``optimizer`` and every optimizer inside it (:func:`_optimizers`) the parameters of its
+    groups (fp32 main weights, a distributed optimizer's shards) with their gradients, and its
+    state tensors (Adam's moments). Counted from the objects, not estimated: an optimizer that
+    has not stepped yet has no state to count."""
     seen: dict = {}
 
     def add(tensor) -> None:
@@ -164,15 +187,13 @@ def model_state_bytes(model: torch.nn.Module, optimizer=None) -> int:
 
     for param in model.parameters():
         add_param(param)
-    while optimizer is not None:
-        for group in getattr(optimizer, "param_groups", []):
+    for inner in _optimizers(optimizer):
+        for group in getattr(inner, "param_groups", None) or []:
             for param in group["params"]:
                 add_param(param)
-        for state in getattr(optimizer, "state", {}).values():
+        for state in _state_dicts(inner):
             for value in state.values():
                 add(value)
-        inner = getattr(optimizer, "optimizer", None)
-        optimizer = inner if inner is not optimizer else None
     return sum(seen.values())
 
 
@@ -189,20 +210,24 @@ def gradient_bytes(model: torch.nn.Module) -> int:
 
 def pending_optimizer_state_bytes(optimizer) -> int:
     """Bytes the optimizer's states will take at its first step, where it has none yet (0 once
-    it has): Adam / AdamW two moments per parameter of its groups, SGD with momentum one; the
-    rest is assumed Adam-like (two). Lets a plan made before the first step count them."""
-    inner = optimizer
-    while getattr(inner, "optimizer", None) is not None and inner.optimizer is not inner:
-        inner = inner.optimizer
-    if getattr(inner, "state", None):
-        return 0
-    per_param = 2
-    if isinstance(inner, torch.optim.SGD):
-        per_param = 1 if any(g.get("momentum", 0) for g in inner.param_groups) else 0
+    it has): for each innermost optimizer (:func:`_optimizers`: the torch optimizers of a
+    wrapper or a chain), Adam / AdamW two moments per parameter of its groups, SGD with momentum
+    one; the rest is assumed Adam-like (two). Lets a plan made before the first step count
+    them."""
     total = 0
-    for group in getattr(inner, "param_groups", []):
-        for param in group["params"]:
-            total += per_param * param.numel() * param.element_size()
+    for inner in _optimizers(optimizer):
+        if getattr(inner, "optimizer", None) is not None or getattr(
+            inner, "chained_optimizers", None
+        ):
+            continue  # a wrapper or a chain: its inner optimizers hold the states
+        if _state_dicts(inner):
+            continue
+        per_param = 2
+        if isinstance(inner, torch.optim.SGD):
+            per_param = 1 if any(g.get("momentum", 0) for g in inner.param_groups) else 0
+        for group in getattr(inner, "param_groups", None) or []:
+            for param in group["params"]:
+                total += per_param * param.numel() * param.element_size()
     return total
 
 
