@@ -106,7 +106,8 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    (under full recompute on the checkpoints' outputs). Its options are those megatron-core
    expresses, and its plan is the megatron one: ``apply`` sets those fields in place, and the
    same fields build the model through TransformerConfig.
-   (The prediction and the search live in plan_search.py, the measuring in plan_probe.py.)
+   (The probe steps and their timelines live in plan_probe.py, the measuring and the ranks'
+   agreement in plan_measure.py, the prediction and the search in plan_search.py.)
 7. Scope. Any TP, SP, CP, precision; PP with the 1F1B schedule or the interleaved one, each
    stage planned for its own layers (its chunks alike under interleaving). Stages plan alone;
    where one finds no plan, every rank raises its message (:func:`plan_recompute`).
@@ -116,7 +117,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -124,24 +125,18 @@ import torch.distributed as dist
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.random import get_rng_snapshot, set_rng_snapshot
-from megatron_core.tensor_parallel.recompute.plan_megatron import (
-    MegatronCoreBlock,
-    megatron_options,
+from megatron_core.tensor_parallel.recompute.plan_measure import (
+    candidate_options,
+    measure_chunks,
+    measure_stage,
+    stage_max,
 )
-from megatron_core.tensor_parallel.recompute.plan_probe import (
-    _find_blocks,
-    gradient_bytes,
-    model_state_bytes,
-    pending_optimizer_state_bytes,
-    probe_step,
-    time_step,
-)
+from megatron_core.tensor_parallel.recompute.plan_megatron import MegatronCoreBlock
+from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks, time_step
 from megatron_core.tensor_parallel.recompute.plan_search import (
     OptionMeasure,
     StageMeasure,
-    _flop_floors,
     _megatron_candidates,
-    _monotone,
     _overhead,
     headroom,
     predict_peak,
@@ -170,23 +165,6 @@ _MiB = 1 << 20
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
           "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
-_SELECTIVE = (
-    "selective:core_attn",
-    "selective:core_attn+activation",
-    "selective:layernorm+core_attn+activation",
-    "selective:layernorm+core_attn+mlp",
-)
-
-
-def candidate_options(tensor_parallel_size: int, sequence_parallel: bool) -> list[str]:
-    """The per-layer recompute options the planner weighs (NOTE [ Recompute planner ], rule 1),
-    cheapest first."""
-    options = ["none", *_SELECTIVE, "full"]
-    if tensor_parallel_size > 1 and not sequence_parallel:
-        options.append("full_distributed")
-    return options
-
-
 def parse_memory_budget(budget, total_bytes: int | None = None) -> int:
     """Bytes of a budget: an int, or text such as "2GiB", "1.5 GB", "512MiB", "3e9", or a
     percentage ("80%") of ``total_bytes`` (default: the device's memory, on a CPU the
@@ -216,152 +194,6 @@ def parse_memory_budget(budget, total_bytes: int | None = None) -> int:
     return value
 
 
-def _option_numbers(points: dict, layers: int) -> list[int]:
-    """[kept, forward, backward, left] of a uniform probe (rule 2)."""
-    kept = (points[f"f{layers - 1}"][0] - points["f0"][0]) // (layers - 1)
-    forward = max(points[f"f{i}"][1] - points[f"f{i - 1}"][0] for i in range(1, layers))
-    backward = max(points[f"g{j - 1}"][1] - points[f"g{j}"][0] for j in range(layers))
-    # what the layers' backward passes leave, on average (their sum is what the bound uses)
-    left = (points["g-1"][0] - points[f"g{layers - 1}"][0]) // layers + kept
-    return [kept, forward, backward, left]
-
-
-def _check_points(points: dict, layers: int, option: str) -> None:
-    wanted = [f"f{i}" for i in range(layers)] + [f"g{j}" for j in range(-1, layers)]
-    missing = [name for name in wanted + ["head", "end"] if name not in points]
-    if missing:
-        raise MegatronCoreError(
-            f"recompute planner: the probe step with {option!r} did not reach marks {missing} "
-            "(does the loss depend on every layer, and does the model run in training mode?)"
-        )
-
-
-def measure_stage(
-    model: torch.nn.Module,
-    forward: Callable[[], torch.Tensor],
-    optimizer=None,
-    options: Sequence[str] | None = None,
-    repeats: int = 3,
-) -> StageMeasure:
-    """Probe ``model`` (holding one TransformerBlock, in training mode) with every option
-    (default :func:`candidate_options`): one measured step and ``repeats`` timed steps each,
-    then agree the numbers across ranks (NOTE [ Recompute planner ], rules 2 and 5)."""
-    (block,) = _find_blocks(model)
-    config = block.config
-    layers = len(block.layers)
-    if layers < 2:
-        raise MegatronCoreError(
-            f"recompute planner: needs at least 2 layers, the block has {layers}"
-        )
-    if not model.training:
-        raise MegatronCoreError("recompute planner: the model must be in training mode")
-    if options is None:
-        offered = megatron_options if isinstance(block, MegatronCoreBlock) else candidate_options
-        options = offered(config.tensor_model_parallel_size, config.sequence_parallel)
-    options = list(options)
-    if options[0] != "none":
-        raise MegatronCoreError(f"recompute planner: options must start with 'none', got {options}")
-    time_step(model, ["none"] * layers, forward, 1)  # warm-up: lazy state, caches
-    # Several ranks on the CPU: gloo's overlapped collectives allocate and free their buffers
-    # at times that vary between runs; probe three times, keep the largest of each number, and
-    # the largest difference between the rounds goes into the headroom (rule 5).
-    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    rounds = 3 if several and device.device_type() == "cpu" else 1
-    runs, shapes, times = [], {}, {option: [] for option in options}
-    for _ in range(rounds):
-        probes = {}
-        for option in options:
-            probe = probe_step(model, [option] * layers, forward)
-            probes[option], shapes[option] = probe.points, probe.shape
-            _check_points(probes[option], layers, option)
-        runs.append(_stage_numbers(model, optimizer, probes, options, layers))
-    for round_ in range(repeats):  # round-robin, rotated: a slow spell hits every option alike
-        for i in range(len(options)):
-            option = options[(i + round_) % len(options)]
-            times[option].append(time_step(model, [option] * layers, forward, 1))
-    times = {option: sorted(t)[len(t) // 2] for option, t in times.items()}
-    block.set_layer_recompute(None)
-    numbers = [max(values) for values in zip(*runs)]
-    run_peaks = [
-        [predict_peak(_stage(layers, options, r, [0.0] * len(options)), [o] * layers)
-         for o in options]
-        for r in runs
-    ]  # fmt: skip
-    variation = max(max(p) - min(p) for p in zip(*run_peaks))
-    local = _stage(layers, options, numbers, [0.0] * len(options))
-    peaks = [predict_peak(local, [o] * layers) for o in options]
-    numbers, spread = _agree(numbers, peaks + [variation], options)
-    slowest = _slowest([times[o] for o in options])
-    floors = _flop_floors(options, config, shapes["none"], slowest[0] / layers)
-    extra = {o: max(floors[o], (slowest[i] - slowest[0]) / layers) for i, o in enumerate(options)}
-    extra = _monotone(extra)
-    return _stage(layers, options, numbers, [extra[o] for o in options], slowest[0], spread)
-
-
-def _stage_numbers(model, optimizer, probes: dict, options, layers: int) -> list[int]:
-    """The byte numbers of one round of probes (rule 2), in StageMeasure's order."""
-    none = probes["none"]
-    kept = _option_numbers(none, layers)[0]
-    last = none[f"f{layers - 1}"][0]
-    numbers = [
-        model_state_bytes(model, optimizer) + pending_optimizer_state_bytes(optimizer),
-        none["f0"][0] - kept,  # pre
-        max(none["head"][1], none[f"g{layers - 1}"][1]) - last,  # head
-        none[f"g{layers - 1}"][0] - last,  # head_left
-        none["end"][1] - none["g-1"][0],  # tail
-        gradient_bytes(model),  # grads: what a step's backward allocates and keeps
-    ]
-    for option in options:
-        numbers += _option_numbers(probes[option], layers)
-    return numbers
-
-
-def _stage(layers, options, numbers, extra, step_ms=0.0, spread=0) -> StageMeasure:
-    measures = {
-        option: OptionMeasure(*numbers[6 + 4 * i : 10 + 4 * i], extra[i])
-        for i, option in enumerate(options)
-    }
-    static, pre, head, head_left, tail, grads = numbers[:6]
-    return StageMeasure(
-        layers, static, pre, head, head_left, tail, step_ms, measures, spread, grads=grads
-    )
-
-
-def _agree(numbers: list[int], peaks: list[int], options: Sequence[str]) -> tuple[list, int]:
-    """Rule 5: every rank's predicted peak of each option on all layers within 25% of the
-    others'; then the largest of each number, on every rank, and the headroom's spread: the
-    largest run-to-run variation (``peaks``' last entry) plus the ranks' largest difference."""
-    group = _stage_group()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return numbers, int(peaks[len(options)])
-    where = device.current_device()
-    high = torch.tensor(peaks + numbers, dtype=torch.float64, device=where)
-    low = high.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    variation = int(high[len(options)].item())  # the largest run-to-run variation of a rank
-    spread = 0
-    for option, hi, lo in zip(options, high.tolist(), low.tolist()):
-        if hi - lo > 0.25 * hi:
-            raise MegatronCoreError(
-                f"recompute planner: the ranks' probe steps disagree: with {option!r} on every "
-                f"layer their peaks range from {int(lo):,} to {int(hi):,} bytes (ranks of one "
-                "layout must run the same step)"
-            )
-        spread = max(spread, int(hi - lo))
-    return [int(x) for x in high.tolist()[len(peaks) :]], variation + spread
-
-
-def _slowest(times: list[float]) -> list[float]:
-    group = _stage_group()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return times
-    where = device.current_device()
-    values = torch.tensor(times, dtype=torch.float64, device=where)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    return values.tolist()
-
-
 def in_flight_microbatches(microbatches: int) -> int:
     """Microbatches whose activations this rank's pipeline stage holds at once under 1F1B
     (NOTE [ Recompute planner ], rule 3): min(pp - stage, microbatches); 1 without pipeline
@@ -370,14 +202,6 @@ def in_flight_microbatches(microbatches: int) -> int:
         return 1
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     return min(pp - parallel_state.get_pipeline_model_parallel_rank(), microbatches)
-
-
-def _stage_group():
-    """The ranks that share this rank's pipeline stage (tensor x data x context parallel), which
-    agree on one plan (rule 5); the default group where parallel_state is not initialized."""
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    return None
 
 
 @dataclasses.dataclass
@@ -549,7 +373,7 @@ def _timed_choice(plan: RecomputePlan, chunks, forwards, repeats: int) -> Recomp
     for chunk in chunks:
         _find_blocks(chunk)[0].set_layer_recompute(None)
     mine, theirs = (sorted(t)[len(t) // 2] for t in (times["plan"], times["megatron"]))
-    mine, theirs = _slowest([mine, theirs])
+    mine, theirs = stage_max([mine, theirs])
     timed = {"plan_ms": mine, "megatron_ms": theirs}
     if theirs < mine:
         return dataclasses.replace(
@@ -606,41 +430,6 @@ def _chunks_of(model, forward, in_flight) -> tuple[list, list]:
                 "(pipeline_parallel.interleaved_warmup_microbatches(...) + 1)"
             )
     return chunks, forwards
-
-
-def measure_chunks(
-    chunks: Sequence[torch.nn.Module],
-    forwards: Sequence[Callable[[], torch.Tensor]],
-    optimizer=None,
-    options: Sequence[str] | None = None,
-    repeats: int = 3,
-) -> StageMeasure:
-    """:func:`measure_stage` of each of this rank's model chunks (one, or the interleaved
-    schedule's), as one StageMeasure for the plan they share (rule 3): the largest of each
-    byte number (a held chunk-microbatch is taken to keep what the largest keeps), the
-    gradients of all of them, each option's time summed over the chunks (per microbatch), and
-    the model states of all chunks and ``optimizer`` counted once (the stage's largest)."""
-    stages = [measure_stage(c, f, None, options, repeats) for c, f in zip(chunks, forwards)]
-    everything = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
-    static = model_state_bytes(everything, optimizer) + pending_optimizer_state_bytes(optimizer)
-    static = int(_slowest([float(static)])[0])  # the largest of the stage's ranks
-    first = stages[0]
-    if len(stages) == 1:
-        return dataclasses.replace(first, static=static)
-    options = {
-        name: OptionMeasure(
-            *(max(getattr(s.options[name], f) for s in stages)
-              for f in ("kept", "forward", "backward", "left")),
-            sum(s.options[name].extra_ms for s in stages),
-        )
-        for name in first.options
-    }  # fmt: skip
-    return StageMeasure(
-        first.layers, static, *(max(getattr(s, f) for s in stages)
-                                for f in ("pre", "head", "head_left", "tail")),
-        sum(s.step_ms for s in stages), options, max(s.spread for s in stages),
-        grads=sum(s.grads for s in stages), chunks=len(stages),
-    )  # fmt: skip
 
 
 def choose_plan(
