@@ -76,6 +76,13 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    from uniform probes, and a mixed plan's step can cost more than that sum (on a CPU one
    layer's core-attention recompute among layers that keep theirs cost 2-4x its uniform
    share), so the plan is never slower than megatron-core's best that fits as measured there.
+   Near the budget, rule 5's 2% margin can shut out a faster plan that does fit (megatron-
+   core's "none" at a budget just above its peak): the search and the megatron settings are
+   weighed again without the margin, each such plan predicted faster than its guarded
+   counterpart (``RecomputePlan.edges``) runs one microbatch's step, and it joins the timed
+   candidates where its prediction, plus what that measured step exceeded its one-microbatch
+   prediction by, plus the rest of the headroom fits (``plan_search.fits_when_measured``):
+   the measurement of the plan itself stands in for the margin.
 5. Agreement. Ranks probe their own step; each rank's predicted peak with each option on every
    layer is compared (all_reduce MIN and MAX over the default group) and must agree within 25%
    (one layout, one shape per rank; ranks differ a little legitimately, more so in a small
@@ -132,12 +139,13 @@ from megatron_core.tensor_parallel.recompute.plan_measure import (
     stage_max,
 )
 from megatron_core.tensor_parallel.recompute.plan_megatron import MegatronCoreBlock
-from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks, time_step
+from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks, step_peak, time_step
 from megatron_core.tensor_parallel.recompute.plan_search import (
     OptionMeasure,
     StageMeasure,
     _megatron_candidates,
     _overhead,
+    fits_when_measured,
     headroom,
     predict_peak,
     search_plan,
@@ -218,9 +226,16 @@ class RecomputePlan:
         megatron: the fastest plan megatron-core's TransformerConfig can express that fits
             (its fields, predicted peak and overhead), or None where none fits.
         stage: the measurements.
-        timed: where the per-layer plan and the megatron one differed, both were timed (ms per
-            microbatch, ``plan_ms`` for the per-layer one as searched, ``megatron_ms``) and the
-            faster became :attr:`choices` (rule 4); else None.
+        timed: where the plans below differed, each was timed (ms per microbatch: ``plan_ms``
+            the per-layer one as searched, ``megatron_ms``, and ``edge_plan_ms`` /
+            ``edge_megatron_ms`` for the edges that fit as measured) and the fastest became
+            :attr:`choices` (rule 4); else None.
+        edges: the per-layer plan and the megatron setting that are predicted faster but fit
+            only without the 2% margin (rule 4), each a dict with ``source`` ("plan" or
+            "megatron"), ``choices``, ``predicted_peak``, ``overhead_ms`` (and ``fields``);
+            after :func:`plan_recompute` also ``measured_peak`` (one microbatch's step with it,
+            above what was allocated before it, the stage's largest), ``predicted_one`` (that
+            step's prediction) and ``fits`` (:func:`fits_when_measured`).
     """
 
     choices: list[str]
@@ -232,6 +247,7 @@ class RecomputePlan:
     megatron: dict | None
     stage: StageMeasure
     timed: dict | None = None
+    edges: list[dict] = dataclasses.field(default_factory=list)
 
     def apply(self, model: torch.nn.Module) -> None:
         """Set the plan on ``model``'s TransformerBlock (``set_layer_recompute``; on
@@ -264,12 +280,21 @@ class RecomputePlan:
             lines.append(
                 f"  | {j} | {choice} | {option.kept / _MiB:.2f} | {option.extra_ms:.2f} |"
             )
+        for edge in self.edges:
+            if "measured_peak" in edge:
+                verdict = "fits" if edge["fits"] else "does not fit"
+                lines.append(
+                    f"  near the budget: the {edge['source']} plan {edge['choices']} (predicted "
+                    f"peak {edge['predicted_peak'] / _MiB:,.1f} MiB): one microbatch's step "
+                    f"measured {edge['measured_peak'] / _MiB:,.2f} MiB against "
+                    f"{edge['predicted_one'] / _MiB:,.2f} MiB predicted: {verdict}"
+                )
         if self.timed is not None:
-            lines.append(
-                f"  timed: the per-layer search's plan {self.timed['plan_ms']:.2f} ms, "
-                f"megatron-core's {self.timed['megatron_ms']:.2f} ms per microbatch "
-                "(the faster is the plan)"
-            )
+            names = {"plan_ms": "the per-layer search's plan", "megatron_ms": "megatron-core's",
+                     "edge_plan_ms": "the near-budget per-layer plan",
+                     "edge_megatron_ms": "the near-budget megatron-core setting"}  # fmt: skip
+            said = ", ".join(f"{names[k]} {v:.2f} ms" for k, v in self.timed.items())
+            lines.append(f"  timed per microbatch: {said} (the fastest is the plan)")
         if self.megatron is None:
             lines.append("  megatron-core TransformerConfig: no single setting fits")
         else:
@@ -354,33 +379,76 @@ def plan_recompute(
 
 
 def _timed_choice(plan: RecomputePlan, chunks, forwards, repeats: int) -> RecomputePlan:
-    """Rule 4's last step: where the per-layer plan and the megatron-core one differ, both run
-    ``repeats`` timed steps (round-robin; the slowest rank's median) and the faster is kept.
+    """Rule 4's last step. Each of ``plan.edges`` runs one microbatch's step with its choices
+    (the stage's largest peak) and joins the candidates where :func:`fits_when_measured`; where
+    the candidates (the per-layer plan, the megatron one, the edges that fit) differ, each runs
+    ``repeats`` timed steps (round-robin; the slowest rank's median) and the fastest is kept.
     The time model adds per-layer costs measured on uniform probes; a mixed plan's step can
     cost more than that sum (on a CPU, recomputing one layer's core attention beside layers
-    that keep theirs cost 2-4x its uniform share), and both plans fit the budget."""
-    megatron = plan.megatron
-    if megatron is None or megatron["choices"] == plan.choices or repeats < 1:
+    that keep theirs cost 2-4x its uniform share), and every candidate fits the budget."""
+    if repeats < 1:
         return plan
-    times: dict[str, list[float]] = {"plan": [], "megatron": []}
+    static = 0 if plan.activations_only else plan.stage.static
+    candidates = {"plan": (plan.choices, plan.predicted_peak, plan.overhead_ms)}
+    megatron = plan.megatron
+    if megatron is not None:
+        candidates["megatron"] = (
+            megatron["choices"], megatron["predicted_peak"], megatron["overhead_ms"]
+        )
+    edges, megatron_dicts = [], ({} if megatron is None else {"megatron": megatron})
+    for edge in plan.edges:
+        measured = max(_one_step_peak(chunk, forward, edge["choices"])
+                       for chunk, forward in zip(chunks, forwards))  # fmt: skip
+        measured = int(stage_max([float(measured)])[0])
+        fits = fits_when_measured(plan.stage, edge["choices"], measured, plan.budget, static)
+        single = dataclasses.replace(plan.stage, microbatches=1, in_flight=1)
+        one = predict_peak(single, edge["choices"])
+        edges.append(dict(edge, measured_peak=measured, predicted_one=one, fits=fits))
+        if fits:
+            candidates["edge_" + edge["source"]] = (
+                edge["choices"], edge["predicted_peak"], edge["overhead_ms"]
+            )
+            if edge["source"] == "megatron":
+                megatron_dicts["edge_megatron"] = {k: v for k, v in edge.items() if k != "source"}
+    distinct: dict[tuple, str] = {}
+    for name, (choices, _, _) in candidates.items():
+        distinct.setdefault(tuple(choices), name)
+    if len(distinct) < 2:  # the megatron setting reported: the edge's where it fits (faster)
+        megatron = megatron_dicts.get("edge_megatron", megatron)
+        return dataclasses.replace(plan, edges=edges, megatron=megatron)
+    names = list(distinct.values())
+    times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(repeats):
-        order = ("plan", "megatron") if round_ % 2 == 0 else ("megatron", "plan")
-        for which in order:
-            choices = plan.choices if which == "plan" else megatron["choices"]
-            times[which].append(sum(
-                time_step(chunk, choices, forward, 1) for chunk, forward in zip(chunks, forwards)
+        for i in range(len(names)):  # rotated: a slow spell hits every candidate alike
+            name = names[(i + round_) % len(names)]
+            times[name].append(sum(
+                time_step(chunk, candidates[name][0], forward, 1)
+                for chunk, forward in zip(chunks, forwards)
             ))  # fmt: skip
     for chunk in chunks:
         _find_blocks(chunk)[0].set_layer_recompute(None)
-    mine, theirs = (sorted(t)[len(t) // 2] for t in (times["plan"], times["megatron"]))
-    mine, theirs = stage_max([mine, theirs])
-    timed = {"plan_ms": mine, "megatron_ms": theirs}
-    if theirs < mine:
-        return dataclasses.replace(
-            plan, choices=list(megatron["choices"]), predicted_peak=megatron["predicted_peak"],
-            overhead_ms=megatron["overhead_ms"], timed=timed,
-        )  # fmt: skip
-    return dataclasses.replace(plan, timed=timed)
+    medians = stage_max([sorted(times[n])[len(times[n]) // 2] for n in names])
+    timed = {f"{name}_ms": ms for name, ms in zip(names, medians)}
+    fastest = names[medians.index(min(medians))]
+    choices, peak, overhead = candidates[fastest]
+    # the megatron setting reported: the faster of the guarded one and the edge's, as timed
+    ms = {name: timed[distinct[tuple(candidates[name][0])] + "_ms"] for name in megatron_dicts}
+    megatron = megatron_dicts[min(megatron_dicts, key=ms.__getitem__)] if ms else None
+    return dataclasses.replace(
+        plan, choices=list(choices), predicted_peak=peak, overhead_ms=overhead, timed=timed,
+        edges=edges, megatron=megatron,
+    )  # fmt: skip
+
+
+def _one_step_peak(chunk, forward, choices) -> int:
+    """The peak of one microbatch's forward and backward of ``chunk`` with ``choices``, above
+    what was allocated before it (plan_probe.step_peak)."""
+    block = _find_blocks(chunk)[0]
+    block.set_layer_recompute(choices)
+    try:
+        return step_peak(chunk, lambda: forward().backward())
+    finally:
+        block.set_layer_recompute(None)
 
 
 def _raise_if_any_failed(failure: str | None) -> None:
@@ -443,15 +511,7 @@ def choose_plan(
     limit_total = parse_memory_budget(budget)
     static = 0 if activations_only else stage.static
     limit = limit_total - static - headroom(stage, limit_total)
-    megatron = None
-    for fields, candidate in _megatron_candidates(stage):
-        candidate_peak = predict_peak(stage, candidate)
-        if candidate_peak > limit:
-            continue
-        cost = _overhead(stage, candidate)
-        if megatron is None or cost < megatron["overhead_ms"]:
-            megatron = {"fields": fields, "predicted_peak": static + candidate_peak,
-                        "overhead_ms": cost, "choices": candidate}  # fmt: skip
+    megatron = _best_megatron(stage, limit, static)
     if megatron_only:
         if megatron is None:
             raise MegatronCoreError(_no_fit_message(stage, limit_total, static, True))
@@ -462,10 +522,35 @@ def choose_plan(
         if found is None:
             raise MegatronCoreError(_no_fit_message(stage, limit_total, static))
         choices, peak, overhead = found
+    # Rule 4: faster plans that fit only without the 2% margin, for plan_recompute to measure.
+    near = limit_total - static - headroom(stage, limit_total, measured=True)
+    edges = []
+    edge = _best_megatron(stage, near, static)
+    if edge is not None and (megatron is None or edge["overhead_ms"] < megatron["overhead_ms"]):
+        edges.append(dict(edge, source="megatron"))
+    found = None if megatron_only else search_plan(stage, near)
+    if found is not None and found[2] < overhead:
+        edges.append({"choices": found[0], "predicted_peak": static + found[1],
+                      "overhead_ms": found[2], "source": "plan"})  # fmt: skip
     return RecomputePlan(
         choices, limit_total, activations_only, static + peak, overhead, stage.step_ms,
-        megatron, stage,
+        megatron, stage, edges=edges,
     )  # fmt: skip
+
+
+def _best_megatron(stage: StageMeasure, limit: int, static: int) -> dict | None:
+    """The megatron-core setting (rule 6) with the least predicted overhead whose predicted
+    peak above the model states is at most ``limit``, or None."""
+    best = None
+    for fields, candidate in _megatron_candidates(stage):
+        candidate_peak = predict_peak(stage, candidate)
+        if candidate_peak > limit:
+            continue
+        cost = _overhead(stage, candidate)
+        if best is None or cost < best["overhead_ms"]:
+            best = {"fields": fields, "predicted_peak": static + candidate_peak,
+                    "overhead_ms": cost, "choices": candidate}  # fmt: skip
+    return best
 
 
 def _no_fit_message(

@@ -14,6 +14,7 @@ from megatron_core.tensor_parallel.recompute.plan_megatron import megatron_field
 __all__ = [
     "OptionMeasure",
     "StageMeasure",
+    "fits_when_measured",
     "headroom",
     "predict_peak",
     "search_plan",
@@ -54,14 +55,29 @@ class StageMeasure:
     chunks: int = 1  # model chunks of the rank (the interleaved schedule's), one plan for all
 
 
-def headroom(stage: StageMeasure, budget: int) -> int:
+def headroom(stage: StageMeasure, budget: int, measured: bool = False) -> int:
     """Bytes the search keeps free below the budget (rule 5): the ranks' and runs' spread plus
     2% of the budget (what one run's numbers cannot show of another's, and a mixed plan's layers
     differing from the uniform probes' means), and 5% more where a step has several
     microbatches (rule 3's later microbatches and a pipeline schedule's own buffers are
-    modelled, not probed)."""
-    room = stage.spread + budget // 50
+    modelled, not probed). ``measured``: the plan's own step was measured
+    (:func:`fits_when_measured`), which replaces the 2%."""
+    room = stage.spread + (0 if measured else budget // 50)
     return room + (budget // 20 if stage.microbatches > 1 else 0)
+
+
+def fits_when_measured(
+    stage: StageMeasure, choices: Sequence[str], measured: int, budget: int, static: int
+) -> bool:
+    """Rule 4's check of a plan near the budget: ``measured`` is the peak (above what was
+    allocated before it) of one microbatch's forward and backward with ``choices``, on the
+    stage's ranks the largest. Its excess over the one-microbatch prediction, where positive,
+    takes the place of the 2% margin; the spread and the several-microbatch margin stay:
+    ``static + predict_peak(stage, choices) + excess + headroom(measured=True) <= budget``."""
+    single = dataclasses.replace(stage, microbatches=1, in_flight=1)
+    excess = max(0, measured - predict_peak(single, choices))
+    room = headroom(stage, budget, measured=True)
+    return static + predict_peak(stage, choices) + excess + room <= budget
 
 
 def predict_peak(stage: StageMeasure, choices: Sequence[str]) -> int:

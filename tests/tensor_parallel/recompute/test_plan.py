@@ -10,6 +10,7 @@ without sequence parallelism (the latter with full_distributed), TP 2 x CP 2 on 
 """
 
 import contextlib
+import dataclasses
 import re
 
 import pytest
@@ -378,3 +379,68 @@ def test_the_faster_of_the_searched_and_megatron_plans_is_kept(slow):
         assert choices == ["selective:core_attn", "none", "none"]
         assert timed["megatron_ms"] > timed["plan_ms"] + 150
     assert after is None  # the block is left with its config's recompute
+
+
+def _near_the_budget(tp, share):
+    import time
+
+    from megatron_core.tensor_parallel.recompute.plan import _timed_choice, choose_plan
+    from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
+
+    model, tokens, labels = _model(tp)
+
+    def forward():  # any recompute costs 0.2 s a step: "none" is the fastest wherever it fits
+        if any(kind != "none" for kind in model.decoder.layer_recompute or ()):
+            time.sleep(0.2)
+        return model(tokens, labels).mean()
+
+    stage = measure_stage(model, forward, repeats=2)
+    # "none"'s predicted peak plus the ranks' and runs' spread (rule 5), times ``share``
+    budget = int((predict_peak(stage, ["none"] * 3) + stage.spread) * share)
+    plan = _timed_choice(choose_plan(stage, budget, activations_only=True), [model], [forward], 2)
+    plan.apply(model)
+    measured = step_peak(model, lambda: forward().backward())
+    edges = [(e["source"], e["fits"]) for e in plan.edges]
+    return plan.choices, edges, plan.timed, measured, budget
+
+
+@pytest.mark.parametrize("world, tp", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("share", [1.005, 0.99])
+def test_a_plan_that_fits_only_inside_the_margin_is_measured_and_kept(world, tp, share):
+    # NOTE [ Recompute planner ], rule 4: at a budget 0.5% above what "none" needs (its
+    # prediction and the spread) the 2% margin of rule 5 would shut it out; its own measured
+    # step shows it fits, and (every recompute being 0.2 s slower here) it is the plan. 1%
+    # below, it must not be.
+    results = run_distributed(_near_the_budget, world, tp, share, timeout=300)
+    for choices, edges, timed, measured, budget in results:
+        assert measured <= budget, (choices, measured, budget)
+        if share > 1:
+            assert choices == ["none"] * 3, (choices, edges, timed)
+            assert ("plan", True) in edges, edges
+            assert any(name.startswith("edge_") for name in timed), timed
+        else:
+            assert choices != ["none"] * 3
+    assert len({repr(r[:3]) for r in results}) == 1  # one plan on every rank
+
+
+def test_a_measured_step_stands_in_for_the_margin_and_no_more():
+    # plan_search.fits_when_measured: the prediction, plus what the measured one-microbatch step
+    # exceeded its prediction by, plus the spread (and 5% with several microbatches), must fit.
+    from megatron_core.tensor_parallel.recompute.plan_search import (
+        OptionMeasure,
+        StageMeasure,
+        fits_when_measured,
+    )
+
+    options = {"none": OptionMeasure(1000, 200, 300, 50, 0.0)}
+    stage = StageMeasure(2, 7, 100, 80, 10, 5, 1.0, options, spread=40)
+    choices = ["none", "none"]
+    peak = predict_peak(stage, choices)
+    assert fits_when_measured(stage, choices, peak, 7 + peak + 40, 7)
+    assert not fits_when_measured(stage, choices, peak, 7 + peak + 39, 7)
+    assert fits_when_measured(stage, choices, peak - 500, 7 + peak + 40, 7)  # below: no credit
+    assert not fits_when_measured(stage, choices, peak + 1, 7 + peak + 40, 7)
+    several = dataclasses.replace(stage, microbatches=4, in_flight=2)
+    big = predict_peak(several, choices) + 40
+    assert not fits_when_measured(several, choices, peak, big, 0)
+    assert fits_when_measured(several, choices, peak, big + big // 19 + 1, 0)
