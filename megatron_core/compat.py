@@ -30,6 +30,7 @@ __all__ = [
     "graph_safe_generators",
     "CPU_STREAM_BASE",
     "profiler_allocations",
+    "storage_holders",
 ]
 
 FLOOR = (2, 6)  # setup.py's torch>=2.6
@@ -189,3 +190,10 @@ def profiler_allocations(prof, mark_prefix: str):
     allocations.sort(key=lambda item: item[0])
     marks.sort(key=lambda item: item[0])
     return allocations, marks
+
+
+def storage_holders(tensor: torch.Tensor) -> int:
+    """How many tensors (TensorImpls) hold ``tensor``'s storage now: views, aliases, and those a
+    collective's Work keeps. torch's private ``_storage_Use_Count`` (every supported torch has
+    it; torch's own CUDA-graph trees read it)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_core import compat, device
 from megatron_core.errors import CollectiveError, RankDisagreementError
 from megatron_core.parallel_state import deadline
+from megatron_core.parallel_state.handed import Handed
 
 __all__ = [
     "SLOTS",
@@ -114,8 +115,12 @@ def exchange(values: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     group = host_group(group)
     local = torch.tensor(values, dtype=torch.int64, device=_buffer_device(group))
     gathered = local.new_empty(dist.get_world_size(group) * len(values))
-    work = _all_gather_single(gathered, local, group=group, async_op=True)
+    handed = Handed(gathered, local)  # NOTE [ Frees the CPU profiler records ]
+    work = _all_gather_single(*handed.tensors, group=group, async_op=True)
+    handed.release()
     deadline.wait(work, "the agreement's all-gather", group)  # NOTE [ Peer deadline ]
+    del work
+    handed.settle()
     return gathered.view(-1, len(values)).cpu()
 
 
@@ -128,8 +133,12 @@ def exchange_text(text: str, group: dist.ProcessGroup) -> list[str]:
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
     gathered = padded.to(_buffer_device(group)).new_empty(len(sizes) * max(sizes))
-    work = _all_gather_single(gathered, padded.to(gathered.device), group=group, async_op=True)
+    handed = Handed(gathered, padded.to(gathered.device))
+    work = _all_gather_single(*handed.tensors, group=group, async_op=True)
+    handed.release()
     deadline.wait(work, "the agreement's text all-gather", group)
+    del work
+    handed.settle()
     rows = gathered.view(len(sizes), -1).cpu()
     return [bytes(rows[r, : sizes[r]].tolist()).decode() for r in range(len(sizes))]
 

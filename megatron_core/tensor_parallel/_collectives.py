@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megatron_core import compat, consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.parallel_state import deadline
+from megatron_core.parallel_state.handed import Handed, is_recording
 from megatron_core.tensor_parallel.utils import split_tensor_along_last_dim
 
 _all_gather_single = compat.all_gather_single
@@ -83,14 +84,23 @@ class Pending:
     """An asynchronous collective: ``wait()`` blocks until it is done and returns its result."""
 
     def __init__(
-        self, work: dist.Work | None, finish: Callable[[], torch.Tensor], op="", group=None
+        self,
+        work: dist.Work | None,
+        finish: Callable[[], torch.Tensor],
+        op="",
+        group=None,
+        handed: Handed | None = None,
     ):
         self._work, self._finish, self._op, self._group = work, finish, op, group
+        self._handed = handed
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             with consistency.named_failures(self._op, self._group):
                 deadline.wait(self._work, self._op, self._group)  # NOTE [ Peer deadline ]
+            self._work = None  # the last reference here: gloo's worker may still hold one
+            if self._handed is not None:  # NOTE [ Frees the CPU profiler records ]
+                self._handed.settle()
         return self._finish()
 
 
@@ -145,9 +155,11 @@ def all_reduce_async(
         buffer = input_
     else:
         buffer = input_.to(dtype, memory_format=torch.contiguous_format, copy=True)
+    handed = Handed(buffer)
     with consistency.named_failures("all_reduce", group):  # torch's DETAIL check raises here
-        work = dist.all_reduce(buffer, group=group, async_op=True)
-    return Pending(work, lambda: buffer.to(input_.dtype), "all_reduce", group)
+        work = dist.all_reduce(*handed.tensors, group=group, async_op=True)
+    handed.release()
+    return Pending(work, lambda: buffer.to(input_.dtype), "all_reduce", group, handed)
 
 
 def all_reduce(input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -162,11 +174,26 @@ def reduce_scatter_first_dim_async(input_: torch.Tensor, group: dist.ProcessGrou
     world_size, _ = size_rank(group)
     first_dim_split(input_, world_size, None, "reduce-scatter along the first dimension")
     dtype = _sum_dtype(input_, group)
+    if is_recording() and input_.device.type == "cpu" and backend_for(input_, group) == "gloo":
+        # NOTE [ Frees the CPU profiler records ], rule 3: gloo's own sum, made visible
+        rows, rank = input_.size(0) // world_size, dist.get_rank(group)
+        buffer = input_.to(dtype, memory_format=torch.contiguous_format, copy=True)
+        handed = Handed(buffer)
+        with consistency.named_failures("reduce_scatter", group):
+            work = dist.all_reduce(*handed.tensors, group=group, async_op=True)
+        handed.release()
+
+        def mine() -> torch.Tensor:
+            return buffer.narrow(0, rank * rows, rows).to(input_.dtype, copy=True)
+
+        return Pending(work, mine, "reduce_scatter", group, handed)
     source = input_.to(dtype, memory_format=torch.contiguous_format)
     output = source.new_empty((source.size(0) // world_size, *source.shape[1:]))
+    handed = Handed(output, source)
     with consistency.named_failures("reduce_scatter", group):
-        work = _reduce_scatter_single(output, source, group=group, async_op=True)
-    return Pending(work, lambda: output.to(input_.dtype), "reduce_scatter", group)
+        work = _reduce_scatter_single(*handed.tensors, group=group, async_op=True)
+    handed.release()
+    return Pending(work, lambda: output.to(input_.dtype), "reduce_scatter", group, handed)
 
 
 def reduce_scatter_first_dim(input_, group, input_split_sizes=None) -> torch.Tensor:
@@ -186,11 +213,13 @@ def reduce_scatter_first_dim(input_, group, input_split_sizes=None) -> torch.Ten
     input_ = input_.contiguous()
     rest = tuple(input_.shape[1:])
     received = input_.new_empty((world_size * sizes[rank], *rest))
+    handed = Handed(received, input_)
     with consistency.named_failures(what, group):
-        work = dist.all_to_all_single(
-            received, input_, [sizes[rank]] * world_size, sizes, group=group, async_op=True
-        )
-        deadline.wait(work, what, group)
+        pending = Pending(dist.all_to_all_single(
+            *handed.tensors, [sizes[rank]] * world_size, sizes, group=group, async_op=True
+        ), lambda: received, what, group, handed)  # fmt: skip
+    handed.release()
+    pending.wait()
     stacked = received.view(world_size, sizes[rank], *rest)
     return stacked.sum(dim=0, dtype=_sum_dtype(input_, group)).to(input_.dtype)
 
@@ -227,9 +256,11 @@ def all_gather_first_dim_async(input_: torch.Tensor, group: dist.ProcessGroup) -
     _check_dims(input_, "gather along the first dimension")
     input_ = input_.contiguous()
     output = input_.new_empty((world_size * input_.size(0), *input_.shape[1:]))
+    handed = Handed(output, input_)
     with consistency.named_failures("all_gather", group):
-        work = _all_gather_single(output, input_, group=group, async_op=True)
-    return Pending(work, lambda: output, "all_gather", group)
+        work = _all_gather_single(*handed.tensors, group=group, async_op=True)
+    handed.release()
+    return Pending(work, lambda: output, "all_gather", group, handed)
 
 
 def all_gather_first_dim(input_, group, output_split_sizes=None) -> torch.Tensor:
@@ -260,11 +291,13 @@ def all_gather_first_dim(input_, group, output_split_sizes=None) -> torch.Tensor
     input_ = input_.contiguous()
     output = input_.new_empty((sum(sizes), *input_.shape[1:]))
     send = torch.cat([input_] * world_size, dim=0)
+    handed = Handed(output, send)
     with consistency.named_failures(what, group):
-        work = dist.all_to_all_single(
-            output, send, sizes, [input_.size(0)] * world_size, group=group, async_op=True
-        )
-        deadline.wait(work, what, group)
+        pending = Pending(dist.all_to_all_single(
+            *handed.tensors, sizes, [input_.size(0)] * world_size, group=group, async_op=True
+        ), lambda: output, what, group, handed)  # fmt: skip
+    handed.release()
+    pending.wait()
     return output
 
 
@@ -302,9 +335,11 @@ def all_to_all_first_dim(
     in_sizes, out_sizes = consistency.agreed_splits("all_to_all", group, splits)
     input_ = input_.contiguous()
     output = input_.new_empty((sum(out_sizes), *input_.shape[1:]))
+    handed = Handed(output, input_)
     with consistency.named_failures("all_to_all", group):
-        handle = dist.all_to_all_single(
-            output, input_, out_sizes, in_sizes, group=group, async_op=True
-        )
-        deadline.wait(handle, "all_to_all", group)
+        pending = Pending(dist.all_to_all_single(
+            *handed.tensors, out_sizes, in_sizes, group=group, async_op=True
+        ), lambda: output, "all_to_all", group, handed)  # fmt: skip
+    handed.release()
+    pending.wait()
     return output

@@ -90,16 +90,16 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    window's agreements run on some ranks' collectives only): otherwise every rank raises the same
    error, naming the option and the range. The plan then uses the largest of every byte
    number and the slowest times, so every rank computes the same plan, and keeps a headroom
-   below the budget: the ranks' (and runs') largest difference plus 2% of the budget (a mixed
+   below the budget: the ranks' largest difference plus 2% of the budget (a mixed
    plan's layers differ a little from the uniform probes' means: up to 1.4% under on one CPU
    rank), plus 5% where a step has several microbatches (rule 3's model of the later ones and
    of a pipeline schedule: up to 3.3% under on one CPU rank, 4.4% on pipeline stage 0)
    (:func:`headroom`). The ranks that agree are those of one pipeline stage (its
    tensor x data x context parallel group): each stage has its own plan.
-   With several ranks on the CPU (gloo's overlapped collectives, the sequence-parallel
-   all-gathers above all, free their buffers at times that vary between runs, by up to ~15% of
-   a small model's peak) every option is probed three times, the largest of each number is
-   kept, and the largest difference between the rounds joins the headroom.
+   One probe per option is enough with several CPU ranks too: the collectives see to it that
+   the timeline records every free (NOTE [ Frees the CPU profiler records ], in
+   parallel_state/handed.py); before they did, gloo's worker thread freed some of their
+   tensors unseen and the same step read up to 8% apart from run to run.
 6. megatron-core. Its TransformerConfig expresses one recompute for all layers: none, selective
    with one ``recompute_modules`` set (of core_attn, layernorm, mlp: "activation" is this
    package's alone), or full with uniform / block and ``recompute_num_layers`` (with

@@ -102,35 +102,23 @@ def measure_stage(
     if options[0] != "none":
         raise MegatronCoreError(f"recompute planner: options must start with 'none', got {options}")
     time_step(model, ["none"] * layers, forward, 1)  # warm-up: lazy state, caches
-    # Several ranks on the CPU: gloo's overlapped collectives allocate and free their buffers
-    # at times that vary between runs; probe three times, keep the largest of each number, and
-    # the largest difference between the rounds goes into the headroom (rule 5).
-    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    rounds = 3 if several and device.device_type() == "cpu" else 1
-    runs, shapes, times = [], {}, {option: [] for option in options}
-    for _ in range(rounds):
-        probes = {}
-        for option in options:
-            probe = probe_step(model, [option] * layers, forward)
-            probes[option], shapes[option] = probe.points, probe.shape
-            _check_points(probes[option], layers, option)
-        runs.append(_stage_numbers(model, optimizer, probes, options, layers))
+    # One probe per option: on the CPU, with several ranks too, the timeline sees every free
+    # (NOTE [ Frees the CPU profiler records ]), so a probe repeats to within 0.3%.
+    probes, shapes, times = {}, {}, {option: [] for option in options}
+    for option in options:
+        probe = probe_step(model, [option] * layers, forward)
+        probes[option], shapes[option] = probe.points, probe.shape
+        _check_points(probes[option], layers, option)
+    numbers = _stage_numbers(model, optimizer, probes, options, layers)
     for round_ in range(repeats):  # round-robin, rotated: a slow spell hits every option alike
         for i in range(len(options)):
             option = options[(i + round_) % len(options)]
             times[option].append(time_step(model, [option] * layers, forward, 1))
     times = {option: sorted(t)[len(t) // 2] for option, t in times.items()}
     block.set_layer_recompute(None)
-    numbers = [max(values) for values in zip(*runs)]
-    run_peaks = [
-        [predict_peak(_stage(layers, options, r, [0.0] * len(options)), [o] * layers)
-         for o in options]
-        for r in runs
-    ]  # fmt: skip
-    variation = max(max(p) - min(p) for p in zip(*run_peaks))
     local = _stage(layers, options, numbers, [0.0] * len(options))
     peaks = [predict_peak(local, [o] * layers) for o in options]
-    numbers, spread = _agree(numbers, peaks + [variation], options)
+    numbers, spread = _agree(numbers, peaks, options)
     slowest = stage_max([times[o] for o in options])
     floors = _flop_floors(options, config, shapes["none"], slowest[0] / layers)
     extra = {o: max(floors[o], (slowest[i] - slowest[0]) / layers) for i, o in enumerate(options)}
@@ -139,7 +127,7 @@ def measure_stage(
 
 
 def _stage_numbers(model, optimizer, probes: dict, options, layers: int) -> list[int]:
-    """The byte numbers of one round of probes (rule 2), in StageMeasure's order."""
+    """The byte numbers of the probes (rule 2), in StageMeasure's order."""
     none = probes["none"]
     kept = _option_numbers(none, layers)[0]
     last = none[f"f{layers - 1}"][0]
@@ -170,16 +158,15 @@ def _stage(layers, options, numbers, extra, step_ms=0.0, spread=0) -> StageMeasu
 def _agree(numbers: list[int], peaks: list[int], options: Sequence[str]) -> tuple[list, int]:
     """Rule 5: every rank's predicted peak of each option on all layers within 25% of the
     others'; then the largest of each number, on every rank, and the headroom's spread: the
-    largest run-to-run variation (``peaks``' last entry) plus the ranks' largest difference."""
+    ranks' largest difference of those peaks."""
     group = _stage_group()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return numbers, int(peaks[len(options)])
+        return numbers, 0
     where = device.current_device()
     high = torch.tensor(peaks + numbers, dtype=torch.float64, device=where)
     low = high.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    variation = int(high[len(options)].item())  # the largest run-to-run variation of a rank
     spread = 0
     for option, hi, lo in zip(options, high.tolist(), low.tolist()):
         if hi - lo > 0.25 * hi:
@@ -189,7 +176,7 @@ def _agree(numbers: list[int], peaks: list[int], options: Sequence[str]) -> tupl
                 "layout must run the same step)"
             )
         spread = max(spread, int(hi - lo))
-    return [int(x) for x in high.tolist()[len(peaks) :]], variation + spread
+    return [int(x) for x in high.tolist()[len(peaks) :]], spread
 
 
 def stage_max(values: list[float]) -> list[float]:

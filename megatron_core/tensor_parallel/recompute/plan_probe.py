@@ -17,6 +17,7 @@ import torch
 
 from megatron_core import compat, device
 from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state.handed import recording_frees
 from megatron_core.tensor_parallel.recompute.memory import storage_key_and_nbytes
 from megatron_core.tensor_parallel.recompute.plan_megatron import (
     MegatronCoreBlock,
@@ -48,10 +49,12 @@ class MemoryTimeline:
     each mark after a synchronize (the peak statistic is reset at each mark). On the CPU, which
     keeps no such counter, torch's profiler records every allocation and free with its time
     (``profile_memory=True``); each mark is a ``record_function`` range, and the allocations are
-    replayed in time order up to each mark. Marks must come from the thread that runs the step
-    (autograd runs a CPU backward, and its tensor hooks, on the caller's thread). The profiler
-    drops the frees of blocks allocated before it started: on the CPU, begin where nothing
-    older is freed inside (drop the gradients first).
+    replayed in time order up to each mark; while it records, the package's collectives keep
+    gloo's worker thread from freeing their tensors unseen (NOTE [ Frees the CPU profiler
+    records ], in parallel_state/handed.py). Marks must come from the thread that runs
+    the step (autograd runs a CPU backward, and its tensor hooks, on the caller's thread). The
+    profiler drops the frees of blocks allocated before it started: on the CPU, begin where
+    nothing older is freed inside (drop the gradients first).
     """
 
     def __init__(self) -> None:
@@ -69,6 +72,8 @@ class MemoryTimeline:
             self._profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
             )
+            self._frees = recording_frees()  # NOTE [ Frees the CPU profiler records ]
+            self._frees.__enter__()
             self._profiler.__enter__()
         return self
 
@@ -88,6 +93,7 @@ class MemoryTimeline:
         if self.cuda:
             return
         self._profiler.__exit__(*exc)
+        self._frees.__exit__(*exc)
         if exc[0] is not None:
             return
         allocations, marks = compat.profiler_allocations(self._profiler, _MARK)

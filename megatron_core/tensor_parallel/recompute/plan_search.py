@@ -48,7 +48,7 @@ class StageMeasure:
     tail: int
     step_ms: float
     options: dict[str, OptionMeasure]
-    spread: int = 0  # run-to-run and rank-to-rank differences of a uniform plan's peak (rule 5)
+    spread: int = 0  # the ranks' largest difference of a uniform plan's peak (rule 5)
     grads: int = 0  # what a whole step leaves allocated: the gradients (rule 3's steady state)
     microbatches: int = 1  # microbatches of a step on this stage
     in_flight: int = 1  # microbatches whose activations the stage holds at once (rule 3)
@@ -56,7 +56,7 @@ class StageMeasure:
 
 
 def headroom(stage: StageMeasure, budget: int, measured: bool = False) -> int:
-    """Bytes the search keeps free below the budget (rule 5): the ranks' and runs' spread plus
+    """Bytes the search keeps free below the budget (rule 5): the ranks' spread plus
     2% of the budget (what one run's numbers cannot show of another's, and a mixed plan's layers
     differing from the uniform probes' means), and 5% more where a step has several
     microbatches (rule 3's later microbatches and a pipeline schedule's own buffers are

@@ -6,7 +6,8 @@ Each case builds our GPT on its ranks, probes it once, then plans at budgets fro
 no-recompute peak down to the smallest that fits and runs each emitted plan under the same
 allocator timeline: predicted and measured peaks (above the model states) must agree within 5%
 and the measured peak must fit the budget. Layouts: TP 1 (fp32; bf16 autocast), TP 2 with and
-without sequence parallelism (the latter with full_distributed), TP 2 x CP 2 on 4 ranks.
+without sequence parallelism (the latter with full_distributed), TP 4 with sequence parallelism
+and TP 2 x CP 2 on 4 ranks.
 """
 
 import contextlib
@@ -82,6 +83,7 @@ def _plans_against_measurement(tp, sp, cp, autocast, seq, hidden):
         (1, 1, False, 1, True, 64, 32),
         (2, 2, False, 1, False, 128, 64),
         (2, 2, True, 1, False, 128, 64),
+        (4, 4, True, 1, False, 128, 64),
         (4, 2, False, 2, False, 64, 64),
     ],
 )
@@ -101,17 +103,12 @@ def test_predicted_peak_matches_the_allocator_and_fits_the_budget(
         assert all(r[0][i][:3] == (limit, choices, predicted) for r in results)
         runs = [max(r[0][i][3][k] for r in results) for k in range(3)]  # the largest rank's
         assert max(runs) <= limit, (choices, runs, limit)  # every run within the budget
-        # With several ranks on the CPU, gloo's overlapped collectives (sequence parallelism's
-        # all-gathers above all) allocate and free buffers at times that vary from run to run
-        # and rank to rank (by up to ~15% here): the planner probes three times and keeps the
-        # largest numbers (rule 5), yet one run's peak can still come out above the prediction
-        # (11% once, TP 2 + SP in a CI lane). The prediction is held against the median of three
-        # runs: there no more than 10% below, 25% above; on one rank within 5%. The budget,
-        # which keeps the headroom, holds in every run.
-        measured = sorted(runs)[1]
-        under, over = (0.10, 0.25) if world > 1 else (0.05, 0.05)
-        assert -under * measured <= predicted - measured <= over * measured, (
-            choices, predicted, measured,
+        # Every run on every rank within 5% of the prediction: with several CPU ranks too, the
+        # timeline sees every free (NOTE [ Frees the CPU profiler records ]; before it did, one
+        # TP 4 + SP run read 25.7% above).
+        for measured in runs:
+            assert abs(predicted - measured) <= 0.05 * measured, (
+                choices, predicted, runs,
         )  # fmt: skip
 
 

@@ -1,0 +1,83 @@
+"""Tensors handed to a gloo collective, and the frees a CPU memory timeline records.
+
+# NOTE [ Frees the CPU profiler records ]
+1. gloo's Work keeps the tensors a collective was given until gloo's worker thread lets the
+   Work go, which can be after ``wait()`` returned. Where that thread drops the last reference,
+   the storage is freed there, and torch's profiler, which records allocator events only on the
+   threads it profiles, never sees the free (an all_reduce of 64 KiB between two CPU ranks lost
+   its free in 5 of 20 runs). plan_probe.MemoryTimeline reads every CPU peak from those events:
+   a lost free counts the tensor as live to the end of the step, so the CPU measurements of
+   several ranks read high by a varying amount.
+2. While a timeline records (:func:`recording_frees`), the package's collectives (those of
+   tensor_parallel/_collectives.py, the host-side agreement's, vocab-parallel cross entropy's)
+   hand gloo aliases of their tensors (:class:`Handed`) and, after the wait, drop the Work and
+   yield until gloo's copies are gone (each storage back to the holders it had; at most
+   ``_SETTLE_S``): every free then happens, and is recorded, on the thread that drops the
+   tensor, as it is on CUDA, whose allocator counts frees on any thread. Outside a timeline,
+   and for device tensors, the collectives are unchanged.
+3. gloo's reduce-scatter sums a copy of the input that it makes itself, inside the call, and
+   keeps in its Work (then copies this rank's rows out): a tensor no caller holds, whose free
+   rule 2 cannot wait for. While a timeline records, _collectives' reduce-scatter over gloo does
+   the same steps itself: the input copied into a fresh buffer, an all-reduce of it, this
+   rank's rows copied out; the same bytes, the same sum, every free seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from megatron_core import compat
+
+__all__ = ["Handed", "is_recording", "recording_frees"]
+
+_RECORDING = [0]  # open recording_frees contexts
+_SETTLE_S = 0.05
+
+
+@contextlib.contextmanager
+def recording_frees():
+    """While open, the package's collectives see to it that the frees of the CPU tensors they
+    hand to gloo happen on the thread that drops them (NOTE [ Frees the CPU profiler records ])."""
+    _RECORDING[0] += 1
+    try:
+        yield
+    finally:
+        _RECORDING[0] -= 1
+
+
+def is_recording() -> bool:
+    """Whether a :func:`recording_frees` context is open."""
+    return _RECORDING[0] > 0
+
+
+class Handed:
+    """The tensors one collective is given: themselves, or under :func:`recording_frees` (CPU
+    tensors) aliases, each storage's holders counted first, so that :meth:`settle` can wait
+    until the finished Work has let its aliases go (rule 2).
+
+    Use: ``handed = Handed(a, b)``; launch the collective on ``*handed.tensors``;
+    :meth:`release`; wait for it and drop every reference to its Work; :meth:`settle`.
+    """
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.watched: list[tuple[torch.Tensor, int]] = []
+        if _RECORDING[0] and all(t.device.type == "cpu" for t in tensors):
+            self.watched = [(t, compat.storage_holders(t)) for t in tensors]
+            tensors = tuple(t.detach() for t in tensors)
+        self.tensors = tensors
+
+    def release(self) -> None:
+        """Drop this side's aliases: the Work holds the only other copies."""
+        self.tensors = ()
+
+    def settle(self) -> None:
+        """After the Work is done and dropped: yield until gloo's worker has let it go (at most
+        ``_SETTLE_S`` seconds in all)."""
+        give_up = time.monotonic() + _SETTLE_S
+        for tensor, holders in self.watched:
+            while compat.storage_holders(tensor) > holders and time.monotonic() < give_up:
+                time.sleep(0)
+        self.watched = []
