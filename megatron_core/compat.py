@@ -192,8 +192,8 @@ def profiler_allocations(prof, mark_prefix: str):
     return allocations, marks
 
 
-def storage_holders(tensor: torch.Tensor) -> int:
-    """How many tensors (TensorImpls) hold ``tensor``'s storage now: views, aliases, and those a
-    collective's Work keeps. torch's private ``_storage_Use_Count`` (every supported torch has
-    it; torch's own CUDA-graph trees read it)."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+def storage_holders(storage: torch.UntypedStorage) -> int:
+    """How many hold ``storage`` now: tensors (views, aliases, those a collective's Work keeps)
+    and storage objects, ``storage`` itself included. torch's private ``_storage_Use_Count``
+    (every supported torch has it; torch's own CUDA-graph trees read it)."""
+    return torch._C._storage_Use_Count(storage._cdata)

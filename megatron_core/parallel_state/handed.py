@@ -14,7 +14,9 @@
    yield until gloo's copies are gone (each storage back to the holders it had; at most
    ``_SETTLE_S``): every free then happens, and is recorded, on the thread that drops the
    tensor, as it is on CUDA, whose allocator counts frees on any thread. Outside a timeline,
-   and for device tensors, the collectives are unchanged.
+   and for device tensors, the collectives are unchanged. gloo's point-to-point operations
+   (the pipeline's, the context-parallel ring's) complete on the calling thread and keep no
+   worker's reference: their frees were always seen.
 3. gloo's reduce-scatter sums a copy of the input that it makes itself, inside the call, and
    keeps in its Work (then copies this rank's rows out): a tensor no caller holds, whose free
    rule 2 cannot wait for. While a timeline records, _collectives' reduce-scatter over gloo does
@@ -63,9 +65,12 @@ class Handed:
     """
 
     def __init__(self, *tensors: torch.Tensor) -> None:
-        self.watched: list[tuple[torch.Tensor, int]] = []
+        # the storages themselves are watched: a caller may swap a tensor's storage meanwhile
+        # (a pipeline schedule frees a sent output's data while its send is in flight)
+        self.watched: list[tuple[torch.UntypedStorage, int]] = []
         if _RECORDING[0] and all(t.device.type == "cpu" for t in tensors):
-            self.watched = [(t, compat.storage_holders(t)) for t in tensors]
+            storages = [t.untyped_storage() for t in tensors]
+            self.watched = [(s, compat.storage_holders(s)) for s in storages]
             tensors = tuple(t.detach() for t in tensors)
         self.tensors = tensors
 
@@ -77,7 +82,7 @@ class Handed:
         """After the Work is done and dropped: yield until gloo's worker has let it go (at most
         ``_SETTLE_S`` seconds in all)."""
         give_up = time.monotonic() + _SETTLE_S
-        for tensor, holders in self.watched:
-            while compat.storage_holders(tensor) > holders and time.monotonic() < give_up:
+        for storage, holders in self.watched:
+            while compat.storage_holders(storage) > holders and time.monotonic() < give_up:
                 time.sleep(0)
-        self.watched = []
+        self.watched = []  # where a storage object here was the last holder, it is freed now
