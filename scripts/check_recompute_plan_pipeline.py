@@ -6,8 +6,9 @@ Each stage probes its own layers (its ``forward`` as NOTE [ Recompute planner ],
 every chunk of it under interleaving), then for every option on all of its layers the predicted
 peak (the stage holding min(pp - stage, m) microbatches under 1F1B, its warm-up forwards plus
 one chunk-microbatches interleaved; the later microbatches with every gradient allocated) is
-printed beside the peak of one whole step of the schedule with that option (MemoryTimeline:
-the profiler's allocator events), both above the model states.
+printed beside the peak of one whole step of the schedule with that option, after one
+unmeasured step with it (MemoryTimeline: the profiler's allocator events), both above the model
+states.
 
     python scripts/check_recompute_plan_pipeline.py
     python scripts/check_recompute_plan_pipeline.py --microbatches 8 --layers 8 --seq 128
@@ -95,6 +96,7 @@ def _rank(rank: int, args, port: int, queue) -> None:
                 num_microbatches=m, seq_length=args.seq, micro_batch_size=_BATCH,
             )  # fmt: skip
 
+        step()  # unmeasured: an option's first step under the timeline keeps a little more
         measured = step_peak(chunks, step)
         rows.append((rank, stage.in_flight, option, predict_peak(stage, choices), measured))
     gathered = [None, None] if rank == 0 else None
