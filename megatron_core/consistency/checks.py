@@ -74,7 +74,7 @@ from megatron_core.parallel_state.agreement import (
 from megatron_core.parallel_state.agreement import exchange, exchange_text
 from megatron_core.parallel_state.agreement import hash_text as _hash_text
 from megatron_core.parallel_state.deadline import PeerDeadlineError
-from megatron_core.parallel_state.handed import Handed
+from megatron_core.parallel_state.handed import all_reduce_in_place
 
 describe_group = _text.describe_group  # public: "the tensor-model-parallel group (...)"
 
@@ -326,8 +326,5 @@ def checked_all_reduce(op: str, tensor: torch.Tensor, group=None, reduce_op=None
     group = dist.group.WORLD if group is None else group
     reduce_op = dist.ReduceOp.SUM if reduce_op is None else reduce_op
     check_collective(op, group, tensor)
-    handed = Handed(tensor)  # NOTE [ Frees the CPU profiler records ]
-    with named_failures(op, group):
-        dist.all_reduce(*handed.tensors, op=reduce_op, group=group)
-    handed.release()
-    handed.settle()
+    with named_failures(op, group):  # NOTE [ Frees the CPU profiler records ]
+        all_reduce_in_place(tensor, reduce_op, group)

@@ -30,10 +30,11 @@ import contextlib
 import time
 
 import torch
+import torch.distributed as dist
 
 from megatron_core import compat
 
-__all__ = ["Handed", "is_recording", "recording_frees"]
+__all__ = ["Handed", "all_reduce_in_place", "is_recording", "recording_frees"]
 
 _RECORDING = [0]  # open recording_frees contexts
 _SETTLE_S = 0.05
@@ -86,3 +87,12 @@ class Handed:
             while compat.storage_holders(storage) > holders and time.monotonic() < give_up:
                 time.sleep(0)
         self.watched = []  # where a storage object here was the last holder, it is freed now
+
+
+def all_reduce_in_place(tensor: torch.Tensor, op, group) -> None:
+    """``dist.all_reduce(tensor, op, group)`` (synchronous, in place), its tensor handed so that
+    a recording timeline sees its free (rule 2)."""
+    handed = Handed(tensor)
+    dist.all_reduce(*handed.tensors, op=op, group=group)
+    handed.release()
+    handed.settle()

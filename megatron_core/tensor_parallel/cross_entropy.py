@@ -29,19 +29,10 @@ import torch.distributed as dist
 from megatron_core import consistency
 from megatron_core.errors import MegatronCoreError
 from megatron_core.parallel_state import get_tensor_model_parallel_group  # looked up per call
-from megatron_core.parallel_state.handed import Handed
+from megatron_core.parallel_state.handed import all_reduce_in_place
 from megatron_core.tensor_parallel.utils import VocabUtility
 
 __all__ = ["vocab_parallel_cross_entropy", "VocabParallelCrossEntropy"]
-
-
-def _all_reduce_in_place(tensor: torch.Tensor, group, op) -> None:
-    """``dist.all_reduce(tensor, op, group)``, with its tensor handed so that a CPU memory
-    timeline sees its free (NOTE [ Frees the CPU profiler records ])."""
-    handed = Handed(tensor)
-    dist.all_reduce(*handed.tensors, op=op, group=group)
-    handed.release()
-    handed.settle()
 
 
 def _check(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> None:
@@ -184,7 +175,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = vocab_parallel_logits.float()
         logits_max = logits.max(dim=-1)[0]
         if world_size > 1:
-            _all_reduce_in_place(logits_max, group, dist.ReduceOp.MAX)
+            all_reduce_in_place(logits_max, dist.ReduceOp.MAX, group)  # handed: NOTE in handed.py
         shifted = logits - logits_max.unsqueeze(-1)
 
         owned = (target >= first) & (target < last) & ~ignored
@@ -195,7 +186,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp_logits = shifted.exp_()  # `shifted` is ours and no longer needed
         stats = torch.stack([target_logit, exp_logits.sum(dim=-1), logit_sum])
         if world_size > 1:
-            _all_reduce_in_place(stats, group, dist.ReduceOp.SUM)
+            all_reduce_in_place(stats, dist.ReduceOp.SUM, group)
         target_logit, sum_exp, logit_sum = stats.unbind(0)
 
         log_sum_exp = torch.log(sum_exp)

@@ -147,6 +147,7 @@ from megatron_core.tensor_parallel.recompute.plan_search import (
     _overhead,
     fits_when_measured,
     headroom,
+    one_microbatch_peak,
     predict_peak,
     search_plan,
     smallest_fit,
@@ -401,8 +402,7 @@ def _timed_choice(plan: RecomputePlan, chunks, forwards, repeats: int) -> Recomp
                        for chunk, forward in zip(chunks, forwards))  # fmt: skip
         measured = int(stage_max([float(measured)])[0])
         fits = fits_when_measured(plan.stage, edge["choices"], measured, plan.budget, static)
-        single = dataclasses.replace(plan.stage, microbatches=1, in_flight=1)
-        one = predict_peak(single, edge["choices"])
+        one = one_microbatch_peak(plan.stage, edge["choices"])
         edges.append(dict(edge, measured_peak=measured, predicted_one=one, fits=fits))
         if fits:
             candidates["edge_" + edge["source"]] = (

@@ -15,6 +15,7 @@ __all__ = [
     "OptionMeasure",
     "StageMeasure",
     "fits_when_measured",
+    "one_microbatch_peak",
     "headroom",
     "predict_peak",
     "search_plan",
@@ -66,6 +67,12 @@ def headroom(stage: StageMeasure, budget: int, measured: bool = False) -> int:
     return room + (budget // 20 if stage.microbatches > 1 else 0)
 
 
+def one_microbatch_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
+    """:func:`predict_peak` of a step of one microbatch alone (what a probe-like step of
+    ``choices`` measures): the stage's numbers with one microbatch, none other held."""
+    return predict_peak(dataclasses.replace(stage, microbatches=1, in_flight=1), choices)
+
+
 def fits_when_measured(
     stage: StageMeasure, choices: Sequence[str], measured: int, budget: int, static: int
 ) -> bool:
@@ -74,8 +81,7 @@ def fits_when_measured(
     stage's ranks the largest. Its excess over the one-microbatch prediction, where positive,
     takes the place of the 2% margin; the spread and the several-microbatch margin stay:
     ``static + predict_peak(stage, choices) + excess + headroom(measured=True) <= budget``."""
-    single = dataclasses.replace(stage, microbatches=1, in_flight=1)
-    excess = max(0, measured - predict_peak(single, choices))
+    excess = max(0, measured - one_microbatch_peak(stage, choices))
     room = headroom(stage, budget, measured=True)
     return static + predict_peak(stage, choices) + excess + room <= budget
 
