@@ -30,8 +30,7 @@ _OPS = {
 def _left_after(name, rounds):
     group, op, left = dist.group.WORLD, _OPS[name], []
     # Every collective agreed first (the agreement's own gathers are handed too), in one state
-    # for all the rounds: in the default mode a pool worker's check window may close during
-    # them and free what it kept, a free the floor's torch records; one unmeasured call first.
+    # for all the rounds, after one unmeasured call.
     with consistency.check_mode(consistency.CheckMode.ALWAYS):
         op(torch.ones(64, 256), group)
         for _ in range(rounds):
@@ -46,9 +45,13 @@ def _left_after(name, rounds):
 
 @pytest.mark.parametrize("name", sorted(_OPS))
 def test_every_free_of_a_collective_is_recorded(name):
-    # Before the fix an all_reduce of 64 KiB lost its free in about one run of four.
+    # Before the fix an all_reduce of 64 KiB lost its free in about one run of four: a lost
+    # free leaves its bytes counted live at the end of the round. A round may also end below 0:
+    # the profiler records, where it still knows the size, the free of a small block that the
+    # consistency machinery of an earlier round kept (seen: -128 and -256 bytes, on torch 2.6
+    # and 2.15); that is no free of this round's lost.
     for left in run_distributed(_left_after, 2, name, 12):
-        assert left == [0] * 12, left
+        assert max(left) <= 0, left
 
 
 def _both_ways(dtype):
