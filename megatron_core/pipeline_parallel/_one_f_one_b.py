@@ -115,6 +115,7 @@ class OneFOneB:
             if final and warmup == 0:
                 self.enable_sync(last_backward=True)
             input_grad = self.backward(output_grad)
+            output = output_grad = None  # NOTE [ Pipeline outputs ], rule 5
             if final:
                 input_tensor = None
                 p2p.send_backward(input_grad, self.first)
