@@ -88,6 +88,7 @@ class OneFOneB:
                 self.p2p.send_forward(output, self.last)
                 if not forward_only:
                     self.keep(input_tensor, output)
+                output = input_tensor = None  # kept by keep() alone (NOTE [ Pipeline outputs ], 5)
             self.steady(warmup)
             if not forward_only:
                 self.cooldown(warmup)

@@ -437,38 +437,44 @@ def test_1f1b_keeps_at_most_pp_microbatches_in_flight(world_size, ms):
             assert held_after == 0  # every microbatch's graph was freed by its backward
 
 
-def _earlier_inputs_alive(pp, m):
-    """On the last stage, at each forward step: how many earlier microbatches' received inputs
-    are still alive (weak references taken as the schedule hands them to the chunk)."""
+def _finished_microbatches_alive(pp, m):
+    """At each forward step of this stage: how many microbatches whose backward already ran
+    still have their output or their received input alive (weak references taken as the
+    schedule hands them over)."""
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     (chunk,), _ = _chunks(_config(), pp, 1, rank)
-    received, alive = [], []
+    refs, alive = {"input": [], "output": []}, []
     set_input = chunk.set_input_tensor
 
     def keep_reference(tensors):
-        received.append(weakref.ref(tensors[0]))
+        if tensors[0] is not None:
+            refs["input"].append(weakref.ref(tensors[0]))
         set_input(tensors)
 
     def step(data_iterator, model):
-        alive.append(sum(ref() is not None for ref in received[:-1]))
-        return forward_step(data_iterator, model)
+        done = sum(event[0] == "B" for event in EVENTS)  # backwards that ran so far
+        alive.append(sum(ref() is not None for kind in refs.values() for ref in kind[:done]))
+        out, loss_func = forward_step(data_iterator, model)
+        refs["output"].append(weakref.ref(out))
+        return out, loss_func
 
-    if rank == pp - 1:
-        chunk.set_input_tensor = keep_reference
+    chunk.set_input_tensor = keep_reference
+    EVENTS.clear()
     get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter(_data(m)), model=chunk,
         num_microbatches=m, seq_length=SEQ, micro_batch_size=BATCH,
     )  # fmt: skip
-    return alive if rank == pp - 1 else None
+    return alive
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_1f1b_drops_a_microbatch_after_its_backward(world_size):
-    # NOTE [ Pipeline outputs ], rule 5: the last stage runs forward k + 1 after backward k;
-    # microbatch k's output (its graph, holding the received input) is gone by then.
-    per_rank = run_distributed(_earlier_inputs_alive, world_size, world_size, 4, timeout=60)
-    assert per_rank[-1] == [0, 0, 0, 0]
+    # NOTE [ Pipeline outputs ], rule 5: once backward k ran, microbatch k's output (its graph)
+    # and received input are gone on every stage: neither the warm-up's last forward nor the
+    # steady loop's last microbatch stays referenced through the next forwards.
+    per_rank = run_distributed(_finished_microbatches_alive, world_size, world_size, 6, timeout=60)
+    assert per_rank == [[0] * 6] * world_size
 
 
 def _bad_send():

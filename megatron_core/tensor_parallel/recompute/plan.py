@@ -54,8 +54,10 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    times summed). A stage is probed alone: its ``forward`` makes the stage's input itself (a
    stage after the first) and returns the output times a gradient-shaped tensor, summed (a
    stage before the last), so one probe measures what one microbatch keeps there; the
-   schedule's own buffers (received gradients, sends in flight) are not probed, and the
-   headroom keeps 5% more where a step has several microbatches (rule 5). Where it can be
+   schedule's own buffers (received gradients, sends in flight) are not probed: the
+   schedule holds nothing of a microbatch past its backward (NOTE [ Pipeline outputs ], rule
+   5), and what its buffers add stays within 1% of a stage's peak on the CPU; the headroom
+   keeps 5% more where a step has several microbatches (rule 5). Where it can be
    wrong: a forward whose allocations depend on the data, allocator caching and fragmentation
    on CUDA (``max_memory_allocated`` counts live tensors, not reserved memory), autocast's
    weight-cast cache (held to the end of the forward, whatever recomputes), timing noise.
@@ -93,7 +95,7 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    below the budget: the ranks' largest difference plus 2% of the budget (a mixed
    plan's layers differ a little from the uniform probes' means: up to 1.4% under on one CPU
    rank), plus 5% where a step has several microbatches (rule 3's model of the later ones and
-   of a pipeline schedule: up to 3.3% under on one CPU rank, 4.4% on pipeline stage 0)
+   of a pipeline schedule: up to 3.3% under on one CPU rank, 1.0% on pipeline stage 0)
    (:func:`headroom`). The ranks that agree are those of one pipeline stage (its
    tensor x data x context parallel group): each stage has its own plan.
    One probe per option is enough with several CPU ranks too: the collectives see to it that

@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from megatron_core import parallel_state
+from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_core.tensor_parallel.recompute.plan import (
@@ -156,8 +156,13 @@ def _stage_model(pp, microbatches, vp=None, layers=4, seq=64, hidden=32):
 
 
 def _schedule_plans_against_measurement(pp, microbatches, vp):
-    import dataclasses
+    # one check mode throughout: a pool worker's check window (an earlier test's) could
+    # otherwise close between the probe and the measured steps and change what they allocate
+    with consistency.check_mode(consistency.CheckMode.ALWAYS):
+        return _schedule_plans_measured(pp, microbatches, vp)
 
+
+def _schedule_plans_measured(pp, microbatches, vp):
     from megatron_core.pipeline_parallel import interleaved_warmup_microbatches
     from megatron_core.tensor_parallel.recompute.plan import in_flight_microbatches, measure_chunks
     from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
@@ -182,6 +187,7 @@ def _schedule_plans_against_measurement(pp, microbatches, vp):
         choices, predicted, _ = search_plan(stage, limit - headroom(stage, limit))
         for chunk in chunks:
             chunk.decoder.set_layer_recompute(choices)
+        step()  # unmeasured: a plan's first step under the timeline allocates what later reuse
         rows.append((limit, choices, predicted, step_peak(chunks, step)))
     return in_flight, rows
 
@@ -191,7 +197,9 @@ def test_the_schedule_s_microbatches_are_predicted_and_fit_the_budget(pp, microb
     # NOTE [ Recompute planner ], rule 3: under 1F1B stage i holds min(pp - i, m) microbatches'
     # activations; under the interleaved schedule its warm-up forwards + 1 chunk-microbatches;
     # after the first microbatch's backward the gradients stay allocated. The measured peak is
-    # that of a whole step of the schedule (every microbatch, every stage).
+    # that of a whole step of the schedule (every microbatch, every stage), within 5% below:
+    # the schedule holds nothing of a microbatch past its backward (NOTE [ Pipeline outputs ],
+    # rule 5; before, 1F1B stage 0 read 6.3% below).
     results = run_distributed(_schedule_plans_against_measurement, pp, pp, microbatches, vp,
                               timeout=300)  # fmt: skip
     if vp is None:
@@ -204,8 +212,10 @@ def test_the_schedule_s_microbatches_are_predicted_and_fit_the_budget(pp, microb
         assert rows[-1][1] != rows[0][1]  # the smallest budget needs recompute
         for limit, choices, predicted, measured in rows:
             assert measured <= limit, (choices, measured, limit)
-            under, over = (0.10, 0.25) if pp > 1 else (0.05, 0.05)
-            assert -under * measured <= predicted - measured <= over * measured, (
+            # interleaved: every held chunk-microbatch is taken to keep what the largest
+            # chunk keeps (rule 3), up to 6.4% above here
+            over = 0.10 if vp else 0.05
+            assert -0.05 * measured <= predicted - measured <= over * measured, (
                 choices, predicted, measured,
             )  # fmt: skip
 
