@@ -212,9 +212,10 @@ def test_the_schedule_s_microbatches_are_predicted_and_fit_the_budget(pp, microb
         assert rows[-1][1] != rows[0][1]  # the smallest budget needs recompute
         for limit, choices, predicted, measured in rows:
             assert measured <= limit, (choices, measured, limit)
-            # interleaved: every held chunk-microbatch is taken to keep what the largest
-            # chunk keeps (rule 3), up to 6.4% above here
-            over = 0.10 if vp else 0.05
+            # above by up to 6.8% on a pipeline's stage: a later microbatch's layer backward
+            # is taken to cost the first one's, which also allocates the layer's gradients;
+            # interleaved, every held chunk-microbatch to keep what the largest chunk keeps
+            over = 0.10 if pp > 1 else 0.05
             assert -0.05 * measured <= predicted - measured <= over * measured, (
                 choices, predicted, measured,
             )  # fmt: skip
