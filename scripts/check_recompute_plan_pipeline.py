@@ -77,8 +77,8 @@ def _rank(rank: int, args, port: int, queue) -> None:
         out = model(tokens if model.pre_process else None, labels if model.post_process else None)
         return out, lambda o: (o.mean(), {"loss": o.mean().detach()})
 
-    stage = measure_chunks(chunks, forwards, repeats=1)
     m = args.microbatches
+    stage = measure_chunks(chunks, forwards, repeats=1, microbatches=m)
     in_flight = in_flight_microbatches(m)
     if vp:
         in_flight = min(interleaved_warmup_microbatches(m, 2, rank, vp) + 1, m * vp)

@@ -57,18 +57,27 @@ def candidate_options(tensor_parallel_size: int, sequence_parallel: bool) -> lis
 
 
 def _option_numbers(points: dict, layers: int) -> list[int]:
-    """[kept, forward, backward, left] of a uniform probe (rule 2)."""
+    """[kept, forward, backward, left, later backward] of a uniform probe (rule 2); the last
+    from its second microbatch where it ran one (else the first's backward)."""
     kept = (points[f"f{layers - 1}"][0] - points["f0"][0]) // (layers - 1)
     forward = max(points[f"f{i}"][1] - points[f"f{i - 1}"][0] for i in range(1, layers))
-    backward = max(points[f"g{j - 1}"][1] - points[f"g{j}"][0] for j in range(layers))
+
+    def backward_of(prefix: str) -> int:
+        return max(
+            points[f"{prefix}g{j - 1}"][1] - points[f"{prefix}g{j}"][0] for j in range(layers)
+        )
+
     # what the layers' backward passes leave, on average (their sum is what the bound uses)
     left = (points["g-1"][0] - points[f"g{layers - 1}"][0]) // layers + kept
-    return [kept, forward, backward, left]
+    later = backward_of("2:") if "2:end" in points else backward_of("")
+    return [kept, forward, backward_of(""), left, later]
 
 
-def _check_points(points: dict, layers: int, option: str) -> None:
+def _check_points(points: dict, layers: int, option: str, microbatches: int) -> None:
     wanted = [f"f{i}" for i in range(layers)] + [f"g{j}" for j in range(-1, layers)]
-    missing = [name for name in wanted + ["head", "end"] if name not in points]
+    wanted += ["head", "end"]
+    wanted += ["2:" + name for name in wanted] if microbatches > 1 else []
+    missing = [name for name in wanted if name not in points]
     if missing:
         raise MegatronCoreError(
             f"recompute planner: the probe step with {option!r} did not reach marks {missing} "
@@ -82,10 +91,12 @@ def measure_stage(
     optimizer=None,
     options: Sequence[str] | None = None,
     repeats: int = 3,
+    microbatches: int = 1,
 ) -> StageMeasure:
     """Probe ``model`` (holding one TransformerBlock, in training mode) with every option
     (default :func:`candidate_options`): one measured step and ``repeats`` timed steps each,
-    then agree the numbers across ranks (NOTE [ Recompute planner ], rules 2 and 5)."""
+    then agree the numbers across ranks (NOTE [ Recompute planner ], rules 2 and 5). With
+    several ``microbatches`` a probe step runs two (rule 3's later microbatches)."""
     (block,) = _find_blocks(model)
     config = block.config
     layers = len(block.layers)
@@ -105,10 +116,11 @@ def measure_stage(
     # One probe per option: on the CPU, with several ranks too, the timeline sees every free
     # (NOTE [ Frees the CPU profiler records ]), so a probe repeats to within 0.3%.
     probes, shapes, times = {}, {}, {option: [] for option in options}
+    probed = min(microbatches, 2)
     for option in options:
-        probe = probe_step(model, [option] * layers, forward)
+        probe = probe_step(model, [option] * layers, forward, probed)
         probes[option], shapes[option] = probe.points, probe.shape
-        _check_points(probes[option], layers, option)
+        _check_points(probes[option], layers, option, probed)
     numbers = _stage_numbers(model, optimizer, probes, options, layers)
     for round_ in range(repeats):  # round-robin, rotated: a slow spell hits every option alike
         for i in range(len(options)):
@@ -146,7 +158,7 @@ def _stage_numbers(model, optimizer, probes: dict, options, layers: int) -> list
 
 def _stage(layers, options, numbers, extra, step_ms=0.0, spread=0) -> StageMeasure:
     measures = {
-        option: OptionMeasure(*numbers[6 + 4 * i : 10 + 4 * i], extra[i])
+        option: OptionMeasure(*numbers[6 + 5 * i : 10 + 5 * i], extra[i], numbers[10 + 5 * i])
         for i, option in enumerate(options)
     }
     static, pre, head, head_left, tail, grads = numbers[:6]
@@ -206,13 +218,16 @@ def measure_chunks(
     optimizer=None,
     options: Sequence[str] | None = None,
     repeats: int = 3,
+    microbatches: int = 1,
 ) -> StageMeasure:
     """:func:`measure_stage` of each of this rank's model chunks (one, or the interleaved
     schedule's), as one StageMeasure for the plan they share (rule 3): the largest of each
     byte number (a held chunk-microbatch is taken to keep what the largest keeps), the
     gradients of all of them, each option's time summed over the chunks (per microbatch), and
     the model states of all chunks and ``optimizer`` counted once (the stage's largest)."""
-    stages = [measure_stage(c, f, None, options, repeats) for c, f in zip(chunks, forwards)]
+    stages = [
+        measure_stage(c, f, None, options, repeats, microbatches) for c, f in zip(chunks, forwards)
+    ]
     everything = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
     static = model_state_bytes(everything, optimizer) + pending_optimizer_state_bytes(optimizer)
     static = int(stage_max([float(static)])[0])
@@ -224,6 +239,7 @@ def measure_chunks(
             *(max(getattr(s.options[name], f) for s in stages)
               for f in ("kept", "forward", "backward", "left")),
             sum(s.options[name].extra_ms for s in stages),
+            max(s.options[name].backward_later for s in stages),
         )
         for name in first.options
     }  # fmt: skip

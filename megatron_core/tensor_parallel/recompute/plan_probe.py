@@ -124,23 +124,24 @@ class LayerMarks:
     def __init__(self, timeline: MemoryTimeline) -> None:
         self.timeline = timeline
         self.shape: tuple[int, ...] | None = None  # layer 0's input shape
+        self.prefix = ""  # before every mark's name: "2:" in a probe's second microbatch
 
     def layer_input(self, index: int, hidden: torch.Tensor) -> None:
         """Before layer ``index`` runs on ``hidden``."""
         if index == 0:
             self.shape = tuple(hidden.shape)
         if index == 0 and hidden.requires_grad:
-            hidden.register_hook(self._hook("g-1"))
+            hidden.register_hook(self._hook(self.prefix + "g-1"))
 
     def layer_output(self, index: int, hidden: torch.Tensor) -> None:
         """After layer ``index`` returned ``hidden``."""
-        self.timeline.mark(f"f{index}")
+        self.timeline.mark(f"{self.prefix}f{index}")
         if hidden.requires_grad:
             self.output_gradient(index, hidden)
 
     def output_gradient(self, index: int, output: torch.Tensor) -> None:
         """Mark ``g{index}`` when ``output`` (layer ``index``'s output) has its gradient."""
-        output.register_hook(self._hook(f"g{index}"))
+        output.register_hook(self._hook(f"{self.prefix}g{index}"))
 
     def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -270,11 +271,15 @@ class Probe(NamedTuple):
 
 
 def probe_step(
-    model: torch.nn.Module, choices: list[str], forward: Callable[[], torch.Tensor]
+    model: torch.nn.Module,
+    choices: list[str],
+    forward: Callable[[], torch.Tensor],
+    microbatches: int = 1,
 ) -> Probe:
-    """One forward + backward of ``forward()`` (which returns the scalar loss) with the layers'
-    recompute set to ``choices``; the allocator's marks (:class:`MemoryTimeline`,
-    :class:`LayerMarks`) plus ``head`` (after the loss) and ``end`` (after backward). The
+    """One forward + backward of ``forward()`` (which returns the scalar loss) per microbatch,
+    the gradients accumulating, with the layers' recompute set to ``choices``; the allocator's
+    marks (:class:`MemoryTimeline`, :class:`LayerMarks`) plus ``head`` (after the loss) and
+    ``end`` (after backward), those of microbatch n > 1 named with the prefix ``"{n}:"``. The
     gradients are dropped afterwards (``set_to_none``)."""
     (block,) = _find_blocks(model)
     block.set_layer_recompute(choices)
@@ -283,11 +288,13 @@ def probe_step(
     block.probe = marks = LayerMarks(timeline)
     try:
         with timeline:
-            loss = forward()
-            timeline.mark("head")
-            loss.backward()
-            timeline.mark("end")
-            del loss
+            for index in range(microbatches):
+                marks.prefix = f"{index + 1}:" if index else ""
+                loss = forward()
+                timeline.mark(marks.prefix + "head")
+                loss.backward()
+                timeline.mark(marks.prefix + "end")
+                del loss
     finally:
         block.probe = None
         model.zero_grad(set_to_none=True)

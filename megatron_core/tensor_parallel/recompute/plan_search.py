@@ -27,13 +27,21 @@ __all__ = [
 class OptionMeasure:
     """What one option costs a layer (NOTE [ Recompute planner ], rule 2): kept bytes, forward
     / backward peaks above the allocation as the layer began, what the layer's forward and
-    backward leave allocated, and milliseconds per step over "none"."""
+    backward leave allocated, milliseconds per step over "none", and the backward peak of a
+    later microbatch (its gradients exist: nothing new is allocated for them; None: taken as
+    the first's)."""
 
     kept: int
     forward: int
     backward: int
     left: int
     extra_ms: float
+    backward_later: int | None = None
+
+    @property
+    def later(self) -> int:
+        """A later microbatch's backward peak (:attr:`backward` where it was not probed)."""
+        return self.backward if self.backward_later is None else self.backward_later
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +119,7 @@ def _microbatch_peak(stage: StageMeasure, choices: Sequence[str], steady: bool) 
     live = stage.pre + kept + stage.head_left
     for choice in reversed(choices):
         option = stage.options[choice]
-        peak = max(peak, live + option.backward)
+        peak = max(peak, live + (option.later if steady else option.backward))
         live += (0 if steady else option.left) - option.kept
     return max(peak, live + stage.tail)
 
@@ -138,8 +146,8 @@ def search_plan(stage: StageMeasure, limit: int) -> tuple[list[str], int, float]
                 # the other microbatches held keep at least what this one kept so far (rule 4)
                 others = (stage.in_flight - 1) * (pre + total)
                 forward = others + grads + pre + kept + option.forward
-                backward = others + pre + stage.head_left + total + option.backward
-                backward += max(after_j, grads)
+                backward = others + pre + stage.head_left + total
+                backward += max(option.backward + after_j, option.later + grads)
                 if forward > limit or backward > limit:
                     continue
                 if total not in grown or cost + option.extra_ms < grown[total][0]:

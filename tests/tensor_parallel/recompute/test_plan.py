@@ -168,7 +168,7 @@ def _schedule_plans_measured(pp, microbatches, vp):
     from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
 
     chunks, forwards, step = _stage_model(pp, microbatches, vp, layers=8 if vp else 4)
-    stage = measure_chunks(chunks, forwards, repeats=1)
+    stage = measure_chunks(chunks, forwards, repeats=1, microbatches=microbatches)
     if vp:  # the interleaved schedule's warm-up forwards, then one more before a backward
         rank = parallel_state.get_pipeline_model_parallel_rank()
         in_flight = interleaved_warmup_microbatches(microbatches, pp, rank, vp) + 1
@@ -212,10 +212,9 @@ def test_the_schedule_s_microbatches_are_predicted_and_fit_the_budget(pp, microb
         assert rows[-1][1] != rows[0][1]  # the smallest budget needs recompute
         for limit, choices, predicted, measured in rows:
             assert measured <= limit, (choices, measured, limit)
-            # above by up to 6.8% on a pipeline's stage: a later microbatch's layer backward
-            # is taken to cost the first one's, which also allocates the layer's gradients;
-            # interleaved, every held chunk-microbatch to keep what the largest chunk keeps
-            over = 0.10 if pp > 1 else 0.05
+            # interleaved: every held chunk-microbatch is taken to keep what the largest
+            # chunk keeps (rule 3), up to 6.4% above in one run of five
+            over = 0.10 if vp else 0.05
             assert -0.05 * measured <= predicted - measured <= over * measured, (
                 choices, predicted, measured,
             )  # fmt: skip
