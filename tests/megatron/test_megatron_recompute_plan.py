@@ -121,6 +121,50 @@ def test_megatron_gpt_plans_fit_the_budget_through_transformer_config(world, tp,
         )  # fmt: skip
 
 
+def _microbatches_against_measurement(tp, seq, hidden, m):
+    import dataclasses
+
+    from megatron_core.tensor_parallel.recompute.plan import measure_stage, predict_peak
+    from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks, step_peak
+
+    build, forward_of = _setup(tp, seq, hidden)
+    model = build()
+    forward = forward_of(model)
+    stage = measure_stage(model, forward, repeats=1, microbatches=m)  # probes two of them
+    stage = dataclasses.replace(stage, microbatches=m)
+    (view,) = _find_blocks(model)
+    rows = []
+    for option in stage.options:
+        choices = [option] * stage.layers
+        view.set_layer_recompute(choices)
+
+        def step():
+            for _ in range(m):  # gradient accumulation: the later ones add into .grad
+                forward().backward()
+
+        step()
+        rows.append((option, predict_peak(stage, choices), step_peak(model, step)))
+    view.set_layer_recompute(None)
+    return rows
+
+
+@pytest.mark.parametrize("world, tp, hidden", [(1, 1, 32), (2, 2, 64)])
+def test_megatron_gpt_later_microbatches_are_predicted(world, tp, hidden):
+    # NOTE [ Recompute planner ], rule 3: the hooks on megatron-core's layers mark each
+    # microbatch of a probe step, so the later microbatches' backward is measured there too
+    results = run_distributed(_microbatches_against_measurement, world, tp, 128, hidden, 3,
+                              timeout=300)  # fmt: skip
+    for rows in results:
+        assert len(rows) >= 5
+        for option, predicted, measured in rows:
+            # megatron-core 0.16.1's distributed checkpoint (TP 2) reads 4-5% below the
+            # prediction with one microbatch too; 0.19.2's within 5%
+            over = 0.10 if option == "full_distributed" else 0.05
+            assert -0.05 * measured <= predicted - measured <= over * measured, (
+                option, predicted, measured,
+            )  # fmt: skip
+
+
 def _refusals():
     from megatron_core.errors import MegatronCoreError
     from megatron_core.tensor_parallel.recompute.plan import plan_recompute

@@ -196,10 +196,10 @@ class MegatronCoreBlock:
 
 def _install_marks(block: torch.nn.Module, marks) -> list:
     """Hooks that set ``marks``' layer marks on megatron-core's block. Each layer's hooks act on
-    its first call only: a full recompute runs the layers again in backward. Under full
-    recompute a layer runs inside a checkpoint, without grad: the gradient mark of layer i's
-    output then goes on the checkpoint's output, which the next layer (or the final norm, or
-    the block's caller) receives as its input."""
+    its first call in each microbatch of the probe step only: a full recompute runs the layers
+    again in backward. Under full recompute a layer runs inside a checkpoint, without grad: the
+    gradient mark of layer i's output then goes on the checkpoint's output, which the next
+    layer (or the final norm, or the block's caller) receives as its input."""
     layers = list(block.layers)
     entered, left = set(), set()
 
@@ -213,11 +213,12 @@ def _install_marks(block: torch.nn.Module, marks) -> list:
             hidden._recompute_plan_marks = marks
             marks.output_gradient(index, hidden)
 
+    # one set of marks per microbatch of a probe step (LayerMarks.prefix names it)
     def before(index: int):
         def hook(module, args, kwargs):
-            if index in entered:
+            if (marks.prefix, index) in entered:
                 return
-            entered.add(index)
+            entered.add((marks.prefix, index))
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if index == 0:
                 marks.layer_input(0, hidden)
@@ -228,9 +229,9 @@ def _install_marks(block: torch.nn.Module, marks) -> list:
 
     def after(index: int):
         def hook(module, args, kwargs, output):
-            if index in left:
+            if (marks.prefix, index) in left:
                 return
-            left.add(index)
+            left.add((marks.prefix, index))
             hidden = output[0] if isinstance(output, tuple) else output
             marks.layer_output(index, hidden)
             if hidden.requires_grad:
