@@ -56,13 +56,18 @@ def _setup(tp, seq, hidden):
     return build, forward_of
 
 
-def _measured_step(model, forward) -> int:
-    """The allocator's peak of one forward + backward above what was allocated before it (a
-    warm-up step first: megatron-core makes some buffers on its first forward)."""
+def _measured_step(model, forward, microbatches: int = 1) -> int:
+    """The allocator's peak of a step of ``microbatches`` forward + backward passes (the
+    gradients accumulating) above what was allocated before it (a warm-up step first:
+    megatron-core makes some buffers on its first forward)."""
     from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
 
-    forward().backward()
-    return step_peak(model, lambda: forward().backward())
+    def step():
+        for _ in range(microbatches):
+            forward().backward()
+
+    step()
+    return step_peak(model, step)
 
 
 def _megatron_plans_against_measurement(tp, seq, hidden):
@@ -125,7 +130,7 @@ def _microbatches_against_measurement(tp, seq, hidden, m):
     import dataclasses
 
     from megatron_core.tensor_parallel.recompute.plan import measure_stage, predict_peak
-    from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks, step_peak
+    from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks
 
     build, forward_of = _setup(tp, seq, hidden)
     model = build()
@@ -137,13 +142,7 @@ def _microbatches_against_measurement(tp, seq, hidden, m):
     for option in stage.options:
         choices = [option] * stage.layers
         view.set_layer_recompute(choices)
-
-        def step():
-            for _ in range(m):  # gradient accumulation: the later ones add into .grad
-                forward().backward()
-
-        step()
-        rows.append((option, predict_peak(stage, choices), step_peak(model, step)))
+        rows.append((option, predict_peak(stage, choices), _measured_step(model, forward, m)))
     view.set_layer_recompute(None)
     return rows
 
