@@ -5,7 +5,8 @@ Two gloo CPU ranks, our GPT split over two pipeline stages (the main job's pipel
 Each stage probes its own layers (its ``forward`` as NOTE [ Recompute planner ], rule 3 says;
 every chunk of it under interleaving), then for every option on all of its layers the predicted
 peak (the stage holding min(pp - stage, m) microbatches under 1F1B, its warm-up forwards plus
-one chunk-microbatches interleaved; the later microbatches with every gradient allocated) is
+one chunk-microbatches interleaved, each keeping what its own chunk keeps, along the order
+the schedule runs them; the later microbatches with every gradient allocated) is
 printed beside the peak of one whole step of the schedule with that option, after one
 unmeasured step with it (MemoryTimeline: the profiler's allocator events), both above the model
 states.
@@ -38,13 +39,14 @@ def _rank(rank: int, args, port: int, queue) -> None:
     from megatron_core import parallel_state
     from megatron_core.pipeline_parallel import (
         get_forward_backward_func,
-        interleaved_warmup_microbatches,
+        interleaved_chunk_order,
     )
     from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron_core.tensor_parallel.recompute.plan import (
         in_flight_microbatches,
         measure_chunks,
         predict_peak,
+        schedule_in_flight,
     )
     from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
     from megatron_core.training.memory_plan import stage_probe_forward
@@ -79,10 +81,11 @@ def _rank(rank: int, args, port: int, queue) -> None:
 
     m = args.microbatches
     stage = measure_chunks(chunks, forwards, repeats=1, microbatches=m)
-    in_flight = in_flight_microbatches(m)
-    if vp:
-        in_flight = min(interleaved_warmup_microbatches(m, 2, rank, vp) + 1, m * vp)
-    stage = dataclasses.replace(stage, microbatches=m, in_flight=in_flight)
+    in_flight, order = in_flight_microbatches(m), ()
+    if vp:  # the order the schedule runs this rank's chunks in (as the main job plans)
+        order = tuple(interleaved_chunk_order(m, 2, rank, vp))
+        in_flight = schedule_in_flight(order)
+    stage = dataclasses.replace(stage, microbatches=m, in_flight=in_flight, order=order)
     rows = []
     for option in stage.options:
         choices = [option] * stage.layers

@@ -7,7 +7,10 @@
 """
 
 from megatron_core.pipeline_parallel import p2p_communication, schedules, utils
-from megatron_core.pipeline_parallel.interleaved import interleaved_warmup_microbatches
+from megatron_core.pipeline_parallel.interleaved import (
+    interleaved_chunk_order,
+    interleaved_warmup_microbatches,
+)
 from megatron_core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_core.pipeline_parallel.schedules import (
     backward_step,
@@ -37,6 +40,7 @@ __all__ = [
     "get_pp_rank_microbatches",
     "get_schedule_table",
     # interleaved.py
+    "interleaved_chunk_order",
     "interleaved_warmup_microbatches",
     # p2p_communication.py
     "P2PCommunicator",

@@ -47,10 +47,18 @@ from megatron_core.pipeline_parallel._embedding import (
     finish_embedding_wgrad_compute,
 )
 from megatron_core.pipeline_parallel._interleaved_run import InterleavedRun
-from megatron_core.pipeline_parallel._plan import check_interleaved_config, pp_rank_microbatches
+from megatron_core.pipeline_parallel._plan import (
+    check_interleaved_config,
+    get_schedule_table,
+    pp_rank_microbatches,
+)
 from megatron_core.pipeline_parallel._steps import get_model_config
 
-__all__ = ["forward_backward_pipelining_with_interleaving", "interleaved_warmup_microbatches"]
+__all__ = [
+    "forward_backward_pipelining_with_interleaving",
+    "interleaved_chunk_order",
+    "interleaved_warmup_microbatches",
+]
 
 
 def interleaved_warmup_microbatches(
@@ -66,6 +74,32 @@ def interleaved_warmup_microbatches(
     return pp_rank_microbatches(
         num_microbatches, vp_size, group, pp_size, pp_rank, vp_size, forward_only
     )[2]
+
+
+def interleaved_chunk_order(
+    num_microbatches: int,
+    pp_size: int,
+    pp_rank: int,
+    vp_size: int,
+    microbatch_group_size_per_vp_stage: int | None = None,
+) -> list[tuple[bool, int]]:
+    """The order in which stage ``pp_rank`` runs its chunks' forwards and backwards in one
+    training step of the interleaved schedule: ``(True, c)`` for a forward of chunk ``c``,
+    ``(False, c)`` for a backward, ``num_microbatches * vp_size`` of each (NOTE [ Interleaved
+    1F1B ]: the warm-up forwards, then one forward and one backward at a time, then the
+    remaining backwards; backwards run the chunks mirrored). What the recompute planner reads
+    to know which chunks' microbatches a stage holds at each point (NOTE [ Recompute planner
+    ], rule 3)."""
+    group = microbatch_group_size_per_vp_stage or pp_size
+    chunk_of = [c for _, c in get_schedule_table(num_microbatches, vp_size, group)]
+    total, _, warmup, remaining = pp_rank_microbatches(
+        num_microbatches, vp_size, group, pp_size, pp_rank, vp_size
+    )
+    order = [(True, chunk_of[k]) for k in range(warmup)]
+    for k in range(remaining):
+        order += [(True, chunk_of[warmup + k]), (False, vp_size - 1 - chunk_of[k])]
+    order += [(False, vp_size - 1 - chunk_of[k]) for k in range(remaining, total)]
+    return order
 
 
 def _check_chunks(model, data_iterator) -> None:

@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from megatron_core import device, parallel_state
-from megatron_core.pipeline_parallel import get_tensor_shapes, interleaved_warmup_microbatches
+from megatron_core.pipeline_parallel import get_tensor_shapes, interleaved_chunk_order
 from megatron_core.tensor_parallel.recompute.plan import RecomputePlan, plan_recompute
 from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline, model_state_bytes
 from megatron_core.training.data import ByteCorpus, get_batch
@@ -45,15 +45,15 @@ def plan_to_budget(
     interleaved = isinstance(model, torch.nn.ModuleList)  # this rank's chunks (vp of them)
     chunks = list(model) if interleaved else [model]
     forwards = [stage_probe_forward(c, tokens, labels, args.seq_length, loss) for c in chunks]
-    in_flight = None  # 1F1B's, or none: the planner's default (NOTE [ Recompute planner ], 3)
-    if interleaved:  # the schedule's warm-up forwards, then one more before the first backward
+    schedule = None  # 1F1B's held microbatches, or none: the planner's default (NOTE [
+    # Recompute planner ], rule 3); interleaved: the order the schedule runs the chunks in
+    if interleaved:
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         rank = parallel_state.get_pipeline_model_parallel_rank()
-        warmup = interleaved_warmup_microbatches(num_microbatches, pp, rank, len(chunks))
-        in_flight = min(warmup + 1, num_microbatches * len(chunks))
+        schedule = interleaved_chunk_order(num_microbatches, pp, rank, len(chunks))
     plan = plan_recompute(
         model, forwards if interleaved else forwards[0],
-        args.memory_budget, optimizer, microbatches=num_microbatches, in_flight=in_flight,
+        args.memory_budget, optimizer, microbatches=num_microbatches, schedule=schedule,
     )  # fmt: skip
     plan.apply(model)
     return plan, str(plan).splitlines()

@@ -19,7 +19,11 @@ from _toy_stack import EVENTS, Chunk, forward_step
 
 from megatron_core import device, parallel_state
 from megatron_core.megatron import megatron_core_version
-from megatron_core.pipeline_parallel import get_forward_backward_func, schedules
+from megatron_core.pipeline_parallel import (
+    get_forward_backward_func,
+    interleaved_chunk_order,
+    schedules,
+)
 from megatron_core.testing import run_distributed
 
 LAYERS, HIDDEN, BATCH, SEQ, STEPS, LR = 24, 4, 2, 3, 2, 0.1
@@ -230,6 +234,11 @@ def test_options_match_one_process_and_megatron_order(world_size):
             if case.get("sync"):
                 _check_sync_hooks(case, rank, events)
                 events = [e for e in events if e[0] in "FB"]
+            if case.get("vp") and not case.get("forward_only"):  # what the planner reads
+                order = interleaved_chunk_order(
+                    case["m"], case["pp"], rank, case["vp"], case.get("group")
+                )
+                assert [(e[0] == "F", e[2]) for e in events] == order, (case, rank)
             assert events == _expected_order(case, rank), (case, rank)
             if rank == world_size - 1:
                 for step in range(STEPS):

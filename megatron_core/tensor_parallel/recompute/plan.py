@@ -48,22 +48,30 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    first's peak overstated a later one's by up to 6.8% on the last 1F1B stage). Under 1F1B
    pipeline parallelism stage i of p holds w = min(p - i, m) microbatches at once
    (:func:`in_flight_microbatches`): each of the w - 1 others keeps ``pre + K_{L-1}``, added to
-   both kinds. Under the interleaved schedule a rank runs vp model chunks of L layers each,
-   and holds its warm-up forwards plus one chunk-microbatches at once (the caller passes that
-   count, ``in_flight``, from ``pipeline_parallel.interleaved_warmup_microbatches``: this
-   family does not import the schedules); every chunk is probed, and one plan serves all of
-   them (:func:`measure_chunks`: each byte number the largest chunk's, a held
-   chunk-microbatch taken to keep what the largest keeps; the gradients of all chunks; the
-   times summed). A stage is probed alone: its ``forward`` makes the stage's input itself (a
-   stage after the first) and returns the output times a gradient-shaped tensor, summed (a
-   stage before the last), so one probe measures what one microbatch keeps there; the
-   schedule's own buffers (received gradients, sends in flight) are not probed: the
-   schedule holds nothing of a microbatch past its backward (NOTE [ Pipeline outputs ], rule
-   5), and what its buffers add stays within 1% of a stage's peak on the CPU; the headroom
-   keeps 5% more where a step has several microbatches (rule 5). Where it can be
-   wrong: a forward whose allocations depend on the data, allocator caching and fragmentation
-   on CUDA (``max_memory_allocated`` counts live tensors, not reserved memory), autocast's
-   weight-cast cache (held to the end of the forward, whatever recomputes), timing noise.
+   both kinds. Under the interleaved schedule a rank runs vp model chunks of L layers each;
+   every chunk is probed, and one plan serves all of them (:func:`measure_chunks`: each
+   chunk's own numbers, and for the time model the times summed). The caller passes the
+   order the schedule runs the rank's chunks in, ``schedule`` (from
+   ``pipeline_parallel.interleaved_chunk_order``: this family does not import the
+   schedules), and the prediction walks it: at every forward and backward, what the held
+   chunk-microbatches keep (each its own chunk's ``pre + K + head_left``: the first chunk
+   keeps the embedding's, a later one its received input), plus the gradients of the chunks
+   whose first backward has run, plus that chunk's forward or backward peak (first or later
+   kind). At most its warm-up forwards plus one are held. Taking every held one to keep
+   what the largest chunk keeps (what ``in_flight`` alone gives) read up to 6.4% above the
+   step on stage 0 with full recompute, where ``pre`` is most of what a layer keeps; the
+   order's walk 0.1-3.4% above. The search prunes with the smallest chunk's numbers (never
+   above the walk) and checks each finished plan with the walk. A stage is probed alone: its
+   ``forward`` makes the stage's input itself (a stage after the first) and returns the output
+   times a gradient-shaped tensor, summed (a stage before the last), so one probe measures
+   what one microbatch keeps there; the schedule's own buffers (received gradients, sends in
+   flight) are not probed: the schedule holds nothing of a microbatch past its backward (NOTE
+   [ Pipeline outputs ], rule 5), and what its buffers add stays within 1% of a stage's peak
+   on the CPU; the headroom keeps 5% more where a step has several microbatches (rule 5).
+   Where it can be wrong: a forward whose allocations depend on the data, allocator caching
+   and fragmentation on CUDA (``max_memory_allocated`` counts live tensors, not reserved
+   memory), autocast's weight-cast cache (held to the end of the forward, whatever
+   recomputes), timing noise.
 4. Search. Dynamic programming over the layers with K (the kept bytes so far) as the state: a
    state with more kept bytes and no less time is dropped (it can only meet later bounds less
    easily), and the cost is a sum over layers. The backward terms also depend on the layers
@@ -154,6 +162,7 @@ from megatron_core.tensor_parallel.recompute.plan_search import (
     headroom,
     one_microbatch_peak,
     predict_peak,
+    schedule_in_flight,
     search_plan,
     smallest_fit,
 )
@@ -173,6 +182,7 @@ __all__ = [
     "measure_chunks",
     "choose_plan",
     "in_flight_microbatches",
+    "schedule_in_flight",
 ]
 
 _MiB = 1 << 20
@@ -323,6 +333,7 @@ def plan_recompute(
     repeats: int = 3,
     microbatches: int = 1,
     in_flight: int | None = None,
+    schedule: Sequence[tuple[bool, int]] | None = None,
 ) -> RecomputePlan:
     """Probe ``model`` and choose per layer the recompute with the least predicted time whose
     predicted peak fits ``budget`` (NOTE [ Recompute planner ]).
@@ -350,7 +361,13 @@ def plan_recompute(
         in_flight: the chunk-microbatches whose activations the schedule holds at once on this
             rank (default :func:`in_flight_microbatches`, 1F1B's); needed with several chunks:
             the interleaved schedule's warm-up forwards plus one
-            (``pipeline_parallel.interleaved_warmup_microbatches(...) + 1``).
+            (``pipeline_parallel.interleaved_warmup_microbatches(...) + 1``); with
+            ``schedule`` it is read from there.
+        schedule: with several chunks, the order of this rank's chunk forwards ``(True, c)``
+            and backwards ``(False, c)`` in one step (``pipeline_parallel.
+            interleaved_chunk_order(...)``): the prediction then follows it, each held
+            chunk-microbatch keeping what its own chunk keeps (rule 3); without it every held
+            one is taken to keep what the largest chunk keeps.
 
     Raises:
         MegatronCoreError: a budget that is not a size, a layout the planner cannot probe,
@@ -360,7 +377,10 @@ def plan_recompute(
     limit_total = parse_memory_budget(budget)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise MegatronCoreError(f"recompute planner: microbatches ({microbatches!r}) must be >= 1")
-    chunks, forwards = _chunks_of(model, forward, in_flight)
+    chunks, forwards = _chunks_of(model, forward, in_flight, schedule)
+    order = _check_schedule(schedule, len(chunks), microbatches)
+    if order and in_flight is None:
+        in_flight = schedule_in_flight(order)
     if in_flight is None:
         in_flight = in_flight_microbatches(microbatches)
     elif isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
@@ -370,7 +390,9 @@ def plan_recompute(
         stage = measure_chunks(chunks, forwards, optimizer, options, repeats, microbatches)
     finally:
         set_rng_snapshot(rng)
-    stage = dataclasses.replace(stage, microbatches=microbatches, in_flight=in_flight)
+    stage = dataclasses.replace(
+        stage, microbatches=microbatches, in_flight=in_flight, order=order
+    )
     megatron_only = isinstance(_find_blocks(chunks[0])[0], MegatronCoreBlock)
     try:
         plan, failure = choose_plan(stage, limit_total, activations_only, megatron_only), None
@@ -471,7 +493,37 @@ def _raise_if_any_failed(failure: str | None) -> None:
             raise MegatronCoreError(message + where)
 
 
-def _chunks_of(model, forward, in_flight) -> tuple[list, list]:
+def _check_schedule(schedule, chunks: int, microbatches: int) -> tuple:
+    """``schedule`` as a tuple of ``(bool, int)`` (empty for None), checked before any
+    collective: each of the ``chunks`` runs ``microbatches`` forwards and as many backwards,
+    no backward before its forward."""
+    if schedule is None:
+        return ()
+    order = tuple(schedule) if isinstance(schedule, (list, tuple)) else None
+    bad = order is None or chunks < 2 or any(
+        not isinstance(step, (list, tuple)) or len(step) != 2 or not isinstance(step[0], bool)
+        or isinstance(step[1], bool) or not isinstance(step[1], int)
+        or not 0 <= step[1] < chunks for step in order
+    )  # fmt: skip
+    if not bad:
+        order = tuple((forward, chunk) for forward, chunk in order)
+        held = [0] * chunks
+        for forward, chunk in order:
+            held[chunk] += 1 if forward else -1
+            bad = bad or held[chunk] < 0
+        counts = [sum(1 for f, c in order if f and c == chunk) for chunk in range(chunks)]
+        bad = bad or any(held) or counts != [microbatches] * chunks
+    if bad:
+        shown = repr(schedule) if len(repr(schedule)) <= 120 else repr(schedule)[:117] + "..."
+        raise MegatronCoreError(
+            f"recompute planner: schedule {shown} is not an order of {chunks} chunk(s)' "
+            f"{microbatches} forwards (True, chunk) and backwards (False, chunk) each, every "
+            "backward after its forward (pipeline_parallel.interleaved_chunk_order gives one)"
+        )
+    return order
+
+
+def _chunks_of(model, forward, in_flight, schedule) -> tuple[list, list]:
     """The rank's chunks and their forwards; several only under the interleaved schedule."""
     several = isinstance(model, (list, tuple, torch.nn.ModuleList))
     chunks = list(model) if several else [model]
@@ -496,11 +548,11 @@ def _chunks_of(model, forward, in_flight) -> tuple[list, list]:
                 f"recompute planner: the chunks hold {sorted(layers)} layers; one plan for "
                 "every chunk needs the same number"
             )
-        if in_flight is None:
+        if in_flight is None and schedule is None:
             raise MegatronCoreError(
-                "recompute planner: under the interleaved schedule pass in_flight, the "
-                "chunk-microbatches it holds at once on this rank "
-                "(pipeline_parallel.interleaved_warmup_microbatches(...) + 1)"
+                "recompute planner: under the interleaved schedule pass schedule, the order "
+                "this rank runs its chunks in (pipeline_parallel.interleaved_chunk_order(...)), "
+                "or in_flight, the chunk-microbatches it holds at once"
             )
     return chunks, forwards
 

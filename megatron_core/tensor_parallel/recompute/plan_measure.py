@@ -222,9 +222,11 @@ def measure_chunks(
 ) -> StageMeasure:
     """:func:`measure_stage` of each of this rank's model chunks (one, or the interleaved
     schedule's), as one StageMeasure for the plan they share (rule 3): the largest of each
-    byte number (a held chunk-microbatch is taken to keep what the largest keeps), the
-    gradients of all of them, each option's time summed over the chunks (per microbatch), and
-    the model states of all chunks and ``optimizer`` counted once (the stage's largest)."""
+    byte number (where no schedule order is given, a held chunk-microbatch is taken to keep
+    what the largest keeps), each chunk's own measurements (``chunk_stages``, which the
+    order's prediction reads), the gradients of all of them, each option's time summed over
+    the chunks (per microbatch), and the model states of all chunks and ``optimizer`` counted
+    once (the stage's largest)."""
     stages = [
         measure_stage(c, f, None, options, repeats, microbatches) for c, f in zip(chunks, forwards)
     ]
@@ -247,5 +249,5 @@ def measure_chunks(
         first.layers, static, *(max(getattr(s, f) for s in stages)
                                 for f in ("pre", "head", "head_left", "tail")),
         sum(s.step_ms for s in stages), options, max(s.spread for s in stages),
-        grads=sum(s.grads for s in stages), chunks=len(stages),
+        grads=sum(s.grads for s in stages), chunks=len(stages), chunk_stages=tuple(stages),
     )  # fmt: skip

@@ -18,6 +18,7 @@ __all__ = [
     "one_microbatch_peak",
     "headroom",
     "predict_peak",
+    "schedule_in_flight",
     "search_plan",
     "smallest_fit",
 ]
@@ -62,6 +63,11 @@ class StageMeasure:
     microbatches: int = 1  # microbatches of a step on this stage
     in_flight: int = 1  # microbatches whose activations the stage holds at once (rule 3)
     chunks: int = 1  # model chunks of the rank (the interleaved schedule's), one plan for all
+    # the interleaved schedule (rule 3): each chunk's own measurements, and the order of the
+    # rank's chunk forwards (True, c) and backwards (False, c) in one step; empty: in_flight's
+    # model, every held microbatch keeping what the largest chunk keeps
+    chunk_stages: tuple[StageMeasure, ...] = ()
+    order: tuple[tuple[bool, int], ...] = ()
 
 
 def headroom(stage: StageMeasure, budget: int, measured: bool = False) -> int:
@@ -78,7 +84,8 @@ def headroom(stage: StageMeasure, budget: int, measured: bool = False) -> int:
 def one_microbatch_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
     """:func:`predict_peak` of a step of one microbatch alone (what a probe-like step of
     ``choices`` measures): the stage's numbers with one microbatch, none other held."""
-    return predict_peak(dataclasses.replace(stage, microbatches=1, in_flight=1), choices)
+    one = dataclasses.replace(stage, microbatches=1, in_flight=1, order=())
+    return predict_peak(one, choices)
 
 
 def fits_when_measured(
@@ -98,7 +105,11 @@ def predict_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
     """The step's predicted peak bytes above the model states under per-layer ``choices``
     (NOTE [ Recompute planner ], rule 3): the first microbatch's backward, and with more
     microbatches the later ones' (the gradients allocated throughout), each beside the
-    other microbatches the schedule holds at once."""
+    other microbatches the schedule holds at once; with the interleaved schedule's ``order``,
+    at every forward and backward of it, each held chunk-microbatch keeping what its chunk
+    keeps."""
+    if stage.order:
+        return _schedule_peak(stage, choices)
     kept = sum(stage.options[c].kept for c in choices)
     others = (stage.in_flight - 1) * (stage.pre + kept)
     peak = others + _microbatch_peak(stage, choices, steady=False)
@@ -107,21 +118,70 @@ def predict_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
     return peak
 
 
-def _microbatch_peak(stage: StageMeasure, choices: Sequence[str], steady: bool) -> int:
-    """One microbatch's peak above what was allocated before it; ``steady``: the gradients
-    exist already (a later microbatch), so a layer's backward leaves nothing new behind."""
+def _schedule_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
+    """:func:`predict_peak` along the interleaved schedule's ``order`` (rule 3): at each
+    forward of chunk c, what the held chunk-microbatches keep (each its own chunk's ``pre + K +
+    head_left``) plus the gradients made so far plus chunk c's forward peak; at each backward,
+    the same for the others plus chunk c's backward peak, the first on a chunk allocating its
+    gradients (then counted as made), the later ones finding them there."""
+    forwards = [_forward_peak(s, choices) for s in stage.chunk_stages]
+    held, made, grads, peak = [0] * len(forwards), set(), 0, 0
+    for forward, c in stage.order:
+        if not forward:
+            held[c] -= 1
+        holding = grads + sum(n * kept for n, (_, kept) in zip(held, forwards))
+        if forward:
+            peak = max(peak, holding + forwards[c][0])
+            held[c] += 1
+            continue
+        chunk = stage.chunk_stages[c]
+        peak = max(peak, holding + _backward_peak(chunk, choices, steady=c in made))
+        if c not in made:
+            made.add(c)
+            grads += chunk.grads
+    return peak
+
+
+def schedule_in_flight(order: Sequence[tuple[bool, int]]) -> int:
+    """The most chunk-microbatches a schedule ``order`` (``(forward?, chunk)`` steps) holds at
+    once: at a backward, those forwarded and not yet backwarded, the one it runs included."""
+    held = most = 0
+    for forward, _ in order:
+        if forward:
+            held += 1
+        else:
+            most = max(most, held)
+            held -= 1
+    return max(most, 1)
+
+
+def _forward_peak(stage: StageMeasure, choices: Sequence[str]) -> tuple[int, int]:
+    """One microbatch's forward (head included): its peak above what was allocated before it,
+    and what it keeps for its backward."""
     peak, kept = 0, 0
     for choice in choices:
         option = stage.options[choice]
         peak = max(peak, stage.pre + kept + option.forward)
         kept += option.kept
-    peak = max(peak, stage.pre + kept + stage.head)
-    live = stage.pre + kept + stage.head_left
+    return max(peak, stage.pre + kept + stage.head), stage.pre + kept + stage.head_left
+
+
+def _backward_peak(stage: StageMeasure, choices: Sequence[str], steady: bool) -> int:
+    """One microbatch's backward peak above what was allocated before its forward (what it
+    kept included); ``steady`` as :func:`_microbatch_peak`'s."""
+    live = _forward_peak(stage, choices)[1]
+    peak = 0
     for choice in reversed(choices):
         option = stage.options[choice]
         peak = max(peak, live + (option.later if steady else option.backward))
         live += (0 if steady else option.left) - option.kept
     return max(peak, live + stage.tail)
+
+
+def _microbatch_peak(stage: StageMeasure, choices: Sequence[str], steady: bool) -> int:
+    """One microbatch's peak above what was allocated before it; ``steady``: the gradients
+    exist already (a later microbatch), so a layer's backward leaves nothing new behind."""
+    return max(_forward_peak(stage, choices)[0], _backward_peak(stage, choices, steady))
 
 
 def _overhead(stage: StageMeasure, choices: Sequence[str]) -> float:
@@ -132,6 +192,8 @@ def search_plan(stage: StageMeasure, limit: int) -> tuple[list[str], int, float]
     """The per-layer choices with the least predicted overhead whose predicted peak above the
     model states is at most ``limit`` bytes, as (choices, peak, overhead ms); None if none fits
     (NOTE [ Recompute planner ], rule 4)."""
+    costs = {name: option.extra_ms for name, option in stage.options.items()}
+    exact, stage = stage, _pruning_view(stage)
     layers, pre = stage.layers, stage.pre
     most_left = max(o.left for o in stage.options.values())
     grads = stage.grads if stage.microbatches > 1 else 0
@@ -150,8 +212,8 @@ def search_plan(stage: StageMeasure, limit: int) -> tuple[list[str], int, float]
                 backward += max(option.backward + after_j, option.later + grads)
                 if forward > limit or backward > limit:
                     continue
-                if total not in grown or cost + option.extra_ms < grown[total][0]:
-                    grown[total] = (cost + option.extra_ms, choices + (name,))
+                if total not in grown or cost + costs[name] < grown[total][0]:
+                    grown[total] = (cost + costs[name], choices + (name,))
         states = _pareto(grown)
     best = None
     for kept, (cost, choices) in states.items():
@@ -159,10 +221,30 @@ def search_plan(stage: StageMeasure, limit: int) -> tuple[list[str], int, float]
         bounded_tail = pre + stage.head_left + layers * most_left + stage.tail
         if others + max(pre + kept + stage.head + grads, bounded_tail) > limit:
             continue
-        peak = predict_peak(stage, choices)
+        peak = predict_peak(exact, choices)
         if peak <= limit and (best is None or cost < best[2]):
             best = (list(choices), peak, cost)
     return best
+
+
+def _pruning_view(stage: StageMeasure) -> StageMeasure:
+    """The numbers :func:`search_plan` prunes with. Under the interleaved schedule's order the
+    smallest chunk's (pre, head, tail, gradients and each option's bytes): the pruning must not
+    exceed the exact prediction, which each finished plan meets; else the stage itself."""
+    if not stage.order:
+        return stage
+    chunks = stage.chunk_stages
+    options = {
+        name: OptionMeasure(
+            *(min(getattr(c.options[name], f) for c in chunks)
+              for f in ("kept", "forward", "backward", "left", "extra_ms")),
+            min(c.options[name].later for c in chunks),
+        )
+        for name in stage.options
+    }  # fmt: skip
+    smallest = {f: min(getattr(c, f) for c in chunks)
+                for f in ("pre", "head", "head_left", "tail", "grads")}  # fmt: skip
+    return dataclasses.replace(stage, options=options, **smallest)
 
 
 def _pareto(states: dict) -> dict:
