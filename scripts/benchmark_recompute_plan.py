@@ -15,6 +15,7 @@ peak fits. Prints a markdown table and a text plot of step time against budget.
 
     python scripts/benchmark_recompute_plan.py                     # CPU, ~2-4 minutes
     python scripts/benchmark_recompute_plan.py --device cuda --layers 8 --hidden 1024 --seq 2048
+    python scripts/benchmark_recompute_plan.py --peaks-only --layers 8 --hidden 64 --seq 256
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budgets", type=int, default=6)
+    parser.add_argument("--peaks-only", action="store_true",
+                        help="print every hand option's measured peak and stop")  # fmt: skip
     args = parser.parse_args(argv)
     model, tokens, labels, own_group = one_rank_gpt(args, heads=8, vocab=4096)
 
@@ -122,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     forward().backward()  # warm-up
     hand = {n: (lambda f=f: _set_hand(model, f)) for n, f in _hand_options(args.layers)}
     hand_peaks = _measure(model, forward, hand, 0)  # peaks only: they set the budgets
+    if args.peaks_only:
+        print(f"{args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}: "
+              "each hand option's peak above the model states (MiB)")  # fmt: skip
+        print("| hand option | peak (MiB) |\n|---|---|")
+        for name, (peak, _) in hand_peaks.items():
+            print(f"| {name} | {peak / _MiB:.2f} |")
+        return 0
     none_peak = hand_peaks["none"][0]
     full_peak = min(p for p, _ in hand_peaks.values())
     low = full_peak * 1.05  # the planner keeps 2% of a budget free (NOTE, rule 5)
