@@ -57,21 +57,23 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    chunk-microbatches keep (each its own chunk's ``pre + K + head_left``: the first chunk
    keeps the embedding's, a later one its received input), plus the gradients of the chunks
    whose first backward has run, plus that chunk's forward or backward peak (first or later
-   kind). At most its warm-up forwards plus one are held. Taking every held one to keep
-   what the largest chunk keeps (what ``in_flight`` alone gives) read up to 6.4% above the
-   step on stage 0 with full recompute, where ``pre`` is most of what a layer keeps; the
-   order's walk 0.1-3.4% above. The search prunes with the smallest chunk's numbers (never
-   above the walk) and checks each finished plan with the walk. A stage is probed alone: its
-   ``forward`` makes the stage's input itself (a stage after the first) and returns the output
-   times a gradient-shaped tensor, summed (a stage before the last), so one probe measures
-   what one microbatch keeps there; the schedule's own buffers (received gradients, sends in
-   flight) are not probed: the schedule holds nothing of a microbatch past its backward (NOTE
-   [ Pipeline outputs ], rule 5), and what its buffers add stays within 1% of a stage's peak
-   on the CPU; the headroom keeps 5% more where a step has several microbatches (rule 5).
-   Where it can be wrong: a forward whose allocations depend on the data, allocator caching
-   and fragmentation on CUDA (``max_memory_allocated`` counts live tensors, not reserved
-   memory), autocast's weight-cast cache (held to the end of the forward, whatever
-   recomputes), timing noise.
+   kind). At most its warm-up forwards plus one are held. Taking every held one to keep what
+   the largest chunk keeps (what ``in_flight`` alone gives) read up to 6.4% above the step on
+   stage 0 with full recompute, where ``pre`` is most of what a layer keeps; the order's walk
+   -2.7% to +4.7% (the measured step itself varying by 4.5% between runs). The search prunes
+   with the smallest chunk's numbers and rule 4's in-flight count (at most what the walk reads
+   at the first backward and at the steady phase's second forward and backward, where the
+   others held number the warm-up forwards) and checks each finished plan with the walk. A
+   stage is probed alone: its ``forward`` makes the stage's input itself (a stage after the
+   first) and returns the output times a gradient-shaped tensor, summed (a stage before the
+   last), so one probe measures what one microbatch keeps there; the schedule's own buffers
+   (received gradients, sends in flight) are not probed: the schedule holds nothing of a
+   microbatch past its backward (NOTE [ Pipeline outputs ], rule 5), and what its buffers add
+   stays within 1% of a stage's peak on the CPU; the headroom keeps 5% more where a step has
+   several microbatches (rule 5). Where it can be wrong: a forward whose allocations depend on
+   the data, allocator caching and fragmentation on CUDA (``max_memory_allocated`` counts live
+   tensors, not reserved memory), autocast's weight-cast cache (held to the end of the
+   forward, whatever recomputes), timing noise.
 4. Search. Dynamic programming over the layers with K (the kept bytes so far) as the state: a
    state with more kept bytes and no less time is dropped (it can only meet later bounds less
    easily), and the cost is a sum over layers. The backward terms also depend on the layers

@@ -229,8 +229,10 @@ def search_plan(stage: StageMeasure, limit: int) -> tuple[list[str], int, float]
 
 def _pruning_view(stage: StageMeasure) -> StageMeasure:
     """The numbers :func:`search_plan` prunes with. Under the interleaved schedule's order the
-    smallest chunk's (pre, head, tail, gradients and each option's bytes): the pruning must not
-    exceed the exact prediction, which each finished plan meets; else the stage itself."""
+    smallest chunk's (pre, head, tail, gradients and each option's bytes), so that the pruning
+    stays at or below the walk's prediction at the events it stands for (the first backward,
+    the steady phase's second forward and backward); each finished plan meets the walk itself.
+    Else the stage itself."""
     if not stage.order:
         return stage
     chunks = stage.chunk_stages
