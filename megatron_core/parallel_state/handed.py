@@ -22,6 +22,12 @@
    rule 2 cannot wait for. While a timeline records, _collectives' reduce-scatter over gloo does
    the same steps itself: the input copied into a fresh buffer, an all-reduce of it, this
    rank's rows copied out; the same bytes, the same sum, every free seen.
+4. The profiler records a free only of a block it saw allocated, in the session or an earlier
+   one. The RNG streams' state tensors live from step to step and a fork replaces them, so a
+   step measured after unprofiled ones (timed steps, a training step) read 5,056 bytes per
+   forked stream more than the same step after a profiled one. MemoryTimeline first re-creates
+   them, same values, inside a profiler session of its own
+   (``random.renew_stream_tensors``), so their frees are always seen.
 """
 
 from __future__ import annotations

@@ -538,6 +538,24 @@ def _stream_loaded() -> bool:
     return bool(_CPU_DEVICE_STREAM.depth) or active is not None
 
 
+def renew_stream_tensors() -> None:
+    """Replace every ByteTensor that holds a stream's state now (the global tracker's streams,
+    the CPU device stream) with a copy of the same value: the streams draw exactly as before;
+    only the tensors are new. The CPU allocator timeline calls it inside a short profiler
+    session, so that the profiler knows these blocks when a fork replaces them during the step
+    it measures (it drops the frees of blocks allocated outside its sessions: NOTE [ Frees the
+    CPU profiler records ], in parallel_state/handed.py)."""
+    tracker = _CUDA_RNG_STATE_TRACKER
+    if tracker is not None and getattr(tracker, "_active", None) is None:
+        states = getattr(tracker, "states_", None)
+        if isinstance(states, dict):
+            for name, state in list(states.items()):
+                if isinstance(state, torch.Tensor):
+                    states[name] = state.clone()
+    if isinstance(_CPU_DEVICE_STREAM.state, torch.Tensor):
+        _CPU_DEVICE_STREAM.state = _CPU_DEVICE_STREAM.state.clone()
+
+
 def _device_stream_apart() -> bool:
     """True on cpu when the device stream is held apart from the CPU generator right now (it is
     seeded, and no stream is loaded in the CPU generator)."""
