@@ -48,10 +48,15 @@ def _renew_under_the_profiler() -> None:
     Frees the CPU profiler records ], rule 4, in parallel_state/handed.py)."""
     from megatron_core.tensor_parallel.random import renew_stream_tensors
 
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ):
+    with _cpu_memory_profiler():
         renew_stream_tensors()
+
+
+def _cpu_memory_profiler() -> torch.profiler.profile:
+    """torch's profiler recording the CPU allocator's events."""
+    return torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    )
 
 
 class MemoryTimeline:
@@ -86,9 +91,7 @@ class MemoryTimeline:
             device.reset_peak_memory_stats()
         else:
             _renew_under_the_profiler()
-            self._profiler = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-            )
+            self._profiler = _cpu_memory_profiler()
             self._frees = recording_frees()  # NOTE [ Frees the CPU profiler records ]
             self._frees.__enter__()
             self._profiler.__enter__()

@@ -125,6 +125,11 @@ def _schedule_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
     the same for the others plus chunk c's backward peak, the first on a chunk allocating its
     gradients (then counted as made), the later ones finding them there."""
     forwards = [_forward_peak(s, choices) for s in stage.chunk_stages]
+    # each chunk's backward peak, (first, later), from what its forward kept
+    backwards = [
+        tuple(_backward_peak(s, choices, steady, kept) for steady in (False, True))
+        for s, (_, kept) in zip(stage.chunk_stages, forwards)
+    ]
     held, made, grads, peak = [0] * len(forwards), set(), 0, 0
     for forward, c in stage.order:
         if not forward:
@@ -134,11 +139,10 @@ def _schedule_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
             peak = max(peak, holding + forwards[c][0])
             held[c] += 1
             continue
-        chunk = stage.chunk_stages[c]
-        peak = max(peak, holding + _backward_peak(chunk, choices, steady=c in made))
+        peak = max(peak, holding + backwards[c][c in made])
         if c not in made:
             made.add(c)
-            grads += chunk.grads
+            grads += stage.chunk_stages[c].grads
     return peak
 
 
@@ -166,11 +170,11 @@ def _forward_peak(stage: StageMeasure, choices: Sequence[str]) -> tuple[int, int
     return max(peak, stage.pre + kept + stage.head), stage.pre + kept + stage.head_left
 
 
-def _backward_peak(stage: StageMeasure, choices: Sequence[str], steady: bool) -> int:
-    """One microbatch's backward peak above what was allocated before its forward (what it
-    kept included); ``steady`` as :func:`_microbatch_peak`'s."""
-    live = _forward_peak(stage, choices)[1]
-    peak = 0
+def _backward_peak(stage: StageMeasure, choices: Sequence[str], steady: bool, kept: int) -> int:
+    """One microbatch's backward peak above what was allocated before its forward, ``kept``
+    (what its forward kept, :func:`_forward_peak`) included; ``steady`` as
+    :func:`_microbatch_peak`'s."""
+    live, peak = kept, 0
     for choice in reversed(choices):
         option = stage.options[choice]
         peak = max(peak, live + (option.later if steady else option.backward))
@@ -181,7 +185,8 @@ def _backward_peak(stage: StageMeasure, choices: Sequence[str], steady: bool) ->
 def _microbatch_peak(stage: StageMeasure, choices: Sequence[str], steady: bool) -> int:
     """One microbatch's peak above what was allocated before it; ``steady``: the gradients
     exist already (a later microbatch), so a layer's backward leaves nothing new behind."""
-    return max(_forward_peak(stage, choices)[0], _backward_peak(stage, choices, steady))
+    forward, kept = _forward_peak(stage, choices)
+    return max(forward, _backward_peak(stage, choices, steady, kept))
 
 
 def _overhead(stage: StageMeasure, choices: Sequence[str]) -> float:
