@@ -167,26 +167,34 @@ def backend_config_text() -> str:
 
 def profiler_allocations(prof, mark_prefix: str):
     """What a finished ``torch.profiler.profile(profile_memory=True)`` saw: the allocator's
-    events as ``(time_ns, signed bytes, device type name)`` and the ``record_function`` ranges
-    whose names start with ``mark_prefix`` as ``(time_ns, name)``, each list in time order.
+    events as ``(time_ns, signed bytes, device type name, address)`` and the
+    ``record_function`` ranges whose names start with ``mark_prefix`` as ``(time_ns, name)``,
+    each list in time order.
 
-    Read from the kineto results the profiler keeps (``prof.profiler.kineto_results``): torch's
-    public views (``events()``, ``key_averages()``) fold each allocation into its op's net
-    bytes, which hides the peak inside a step. Raises where a torch lacks them."""
+    Read from the event tree of the kineto results the profiler keeps
+    (``prof.profiler.kineto_results.experimental_event_tree()``, every supported torch has
+    it): torch's public views (``events()``, ``key_averages()``) fold each allocation into its
+    op's net bytes, which hides the peak inside a step, and carry no address. Raises where a
+    torch lacks them."""
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    if results is None:
+    tree = getattr(results, "experimental_event_tree", None)
+    if tree is None:
         raise MegatronCoreError(
-            f"this torch ({torch.__version__}) keeps no kineto results on its profiler: the "
+            f"this torch ({torch.__version__}) keeps no kineto event tree on its profiler: the "
             "allocator's timeline cannot be read on the CPU"
         )
+    allocation = torch._C._profiler._EventType.Allocation
     allocations, marks = [], []
-    for event in results.events():
-        name = event.name()
-        if name == "[memory]":
-            kind = str(event.device_type()).rsplit(".", 1)[-1].lower()
-            allocations.append((event.start_ns(), event.nbytes(), kind))
-        elif name.startswith(mark_prefix):
-            marks.append((event.start_ns(), name))
+    pending = list(reversed(tree()))  # depth first, in the tree's order
+    while pending:
+        event = pending.pop()
+        pending.extend(reversed(event.children))
+        if event.tag == allocation:
+            fields = event.extra_fields
+            kind = torch.device(fields.device).type
+            allocations.append((event.start_time_ns, fields.alloc_size, kind, fields.ptr))
+        elif event.name.startswith(mark_prefix):
+            marks.append((event.start_time_ns, event.name))
     allocations.sort(key=lambda item: item[0])
     marks.sort(key=lambda item: item[0])
     return allocations, marks

@@ -22,12 +22,17 @@
    rule 2 cannot wait for. While a timeline records, _collectives' reduce-scatter over gloo does
    the same steps itself: the input copied into a fresh buffer, an all-reduce of it, this
    rank's rows copied out; the same bytes, the same sum, every free seen.
-4. The profiler records a free only of a block it saw allocated, in the session or an earlier
-   one. The RNG streams' state tensors live from step to step and a fork replaces them, so a
-   step measured after unprofiled ones (timed steps, a training step) read 5,056 bytes per
-   forked stream more than the same step after a profiled one. MemoryTimeline first re-creates
-   them, same values, inside a profiler session of its own
-   (``random.renew_stream_tensors``), so their frees are always seen.
+4. The profiler learns a block's size when it sees the block allocated (in any session) and
+   forgets it only when it sees the block freed. A block freed between sessions leaves its size
+   behind: a later block at the same address, allocated between sessions and freed inside one,
+   is recorded with the old block's size (a 5,056-byte RNG state freed as 16,384 bytes). malloc
+   reuses addresses as it pleases, so the same pipeline step read up to 3% apart from run to
+   run, and a planner test read its prediction 5.7% under the measured step. MemoryTimeline
+   counts only the blocks allocated inside its own session, by address: the free of an older
+   block is left out, whatever size the profiler gives it. The RNG streams' state tensors are
+   the older blocks every step frees (each fork replaces them): the timeline re-creates them,
+   same values, inside its session before it begins counting (``random.renew_stream_tensors``),
+   so their frees count as they do on CUDA.
 """
 
 from __future__ import annotations

@@ -541,10 +541,10 @@ def _stream_loaded() -> bool:
 def renew_stream_tensors() -> None:
     """Replace every ByteTensor that holds a stream's state now (the global tracker's streams,
     the CPU device stream) with a copy of the same value: the streams draw exactly as before;
-    only the tensors are new. The CPU allocator timeline calls it inside a short profiler
-    session, so that the profiler knows these blocks when a fork replaces them during the step
-    it measures (it drops the frees of blocks allocated outside its sessions: NOTE [ Frees the
-    CPU profiler records ], in parallel_state/handed.py)."""
+    only the tensors are new. The CPU allocator timeline calls it inside its profiler session
+    before it begins counting, so that the frees a fork makes of these blocks during the step
+    count (it leaves out the frees of blocks allocated before its session: NOTE [ Frees the CPU
+    profiler records ], rule 4, in parallel_state/handed.py)."""
     tracker = _CUDA_RNG_STATE_TRACKER
     if tracker is not None and getattr(tracker, "_active", None) is None:
         states = getattr(tracker, "states_", None)

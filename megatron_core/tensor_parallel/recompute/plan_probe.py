@@ -37,19 +37,7 @@ __all__ = [
 ]
 
 _MARK = "megatron_core.recompute_plan:"
-
-
-def _renew_under_the_profiler() -> None:
-    """Re-create the RNG streams' state tensors inside a profiler session of their own
-    (random.renew_stream_tensors): a fork during the measured step replaces them, and the
-    profiler records a free only of a block it saw allocated, in this session or an earlier
-    one. Without it, a step after unprofiled ones read one state's bytes too many per stream
-    it forked (5,056 on the CPU; the same plan measured 2,268,952 and 2,279,064 bytes; NOTE [
-    Frees the CPU profiler records ], rule 4, in parallel_state/handed.py)."""
-    from megatron_core.tensor_parallel.random import renew_stream_tensors
-
-    with _cpu_memory_profiler():
-        renew_stream_tensors()
+_BEGIN = _MARK + "<begin>"  # where a CPU timeline's counting begins (not among its points)
 
 
 def _cpu_memory_profiler() -> torch.profiler.profile:
@@ -72,10 +60,12 @@ class MemoryTimeline:
     replayed in time order up to each mark; while it records, the package's collectives keep
     gloo's worker thread from freeing their tensors unseen (NOTE [ Frees the CPU profiler
     records ], in parallel_state/handed.py). Marks must come from the thread that runs
-    the step (autograd runs a CPU backward, and its tensor hooks, on the caller's thread). The
-    profiler drops the frees of blocks it never saw allocated: on the CPU, begin where nothing
-    older is freed inside (drop the gradients first); the RNG streams' state tensors, which a
-    fork replaces, are re-created under the profiler as the timeline begins.
+    the step (autograd runs a CPU backward, and its tensor hooks, on the caller's thread). On
+    the CPU only the blocks allocated inside the timeline count: the free of an older block is
+    left out (the profiler's size for it can be another block's, rule 4 of that NOTE), so begin
+    where nothing older is freed inside that matters (drop the gradients first); the RNG
+    streams' state tensors, which a fork replaces, are re-created as the timeline begins, so
+    that their frees count as on CUDA.
     """
 
     def __init__(self) -> None:
@@ -90,11 +80,15 @@ class MemoryTimeline:
             self._base = device.memory_allocated()
             device.reset_peak_memory_stats()
         else:
-            _renew_under_the_profiler()
+            from megatron_core.tensor_parallel.random import renew_stream_tensors
+
             self._profiler = _cpu_memory_profiler()
             self._frees = recording_frees()  # NOTE [ Frees the CPU profiler records ]
             self._frees.__enter__()
             self._profiler.__enter__()
+            renew_stream_tensors()  # rule 4 there: blocks of this session, same values
+            with torch.profiler.record_function(_BEGIN):
+                pass
         return self
 
     def mark(self, name: str) -> None:
@@ -117,17 +111,28 @@ class MemoryTimeline:
         if exc[0] is not None:
             return
         allocations, marks = compat.profiler_allocations(self._profiler, _MARK)
-        live = peak = 0
+        blocks: dict[int, int] = {}  # address -> bytes of the blocks allocated in the session
+        live = peak = base = 0
         index = 0
         for at, name in marks:
             while index < len(allocations) and allocations[index][0] <= at:
-                _, nbytes, kind = allocations[index]
-                if kind == "cpu":
-                    live += nbytes
-                    peak = max(peak, live)
+                _, nbytes, kind, address = allocations[index]
                 index += 1
-            self.points.append((name[len(_MARK) :], live, peak))
-            peak = live
+                if kind != "cpu":
+                    continue
+                if nbytes > 0:
+                    blocks[address] = nbytes
+                elif address in blocks:
+                    nbytes = -blocks.pop(address)
+                else:  # older than the session: its size is not known (rule 4)
+                    continue
+                live += nbytes
+                peak = max(peak, live)
+            if name == _BEGIN:
+                base = peak = live
+            else:
+                self.points.append((name[len(_MARK) :], live - base, peak - base))
+                peak = live
 
     def as_dict(self) -> dict[str, tuple[int, int]]:
         """``{name: (live, peak)}`` of :attr:`points`."""

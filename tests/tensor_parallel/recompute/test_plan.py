@@ -501,10 +501,35 @@ def _same_step_measured_three_ways():
 
 
 def test_a_step_reads_the_same_after_unprofiled_and_profiled_steps():
-    # The RNG streams' state tensors are replaced by every fork; the CPU profiler records the
-    # free of a block only if it saw it allocated, so a step after unprofiled steps read one
-    # state's bytes (5,056) more per stream than the same step after a profiled one (this
-    # made a near-budget plan read 955 bytes over its budget once). MemoryTimeline re-creates
-    # them inside a profiler session of its own first (plan_probe._renew_under_the_profiler).
+    # The RNG streams' state tensors are replaced by every fork; their frees count only if the
+    # timeline saw them allocated, so a step after unprofiled steps read one state's bytes
+    # (5,056) more per stream than the same step after a profiled one (this made a near-budget
+    # plan read 955 bytes over its budget once). MemoryTimeline re-creates them inside its own
+    # session before it begins counting (NOTE [ Frees the CPU profiler records ], rule 4).
     ((first, second, third),) = run_distributed(_same_step_measured_three_ways, 1)
     assert first == second == third, (first, second, third)
+
+
+def _older_block_freed_inside():
+    from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True):  # fmt: skip
+        older = [torch.empty(4096)]  # 16,384 bytes the profiler saw allocated
+    timeline = MemoryTimeline()
+    with timeline:
+        older.clear()  # recorded as a free of 16,384 bytes
+        new = torch.ones(2048)  # 8,192 bytes
+        timeline.mark("end")
+    del new
+    return timeline.points
+
+
+def test_a_free_of_an_older_block_is_left_out():
+    # NOTE [ Frees the CPU profiler records ], rule 4: the profiler remembers a block's size by
+    # address from session to session; a block freed between sessions leaves its size behind, and
+    # a block malloc later puts at that address, freed inside a timeline, is recorded with the
+    # old size (the same pipeline step read up to 3% apart between runs). The timeline cannot
+    # tell a stale size from a true one, so it counts only the blocks allocated inside it.
+    (points,) = run_distributed(_older_block_freed_inside, 1)
+    assert points == [("end", 8192, 8192)], points
