@@ -122,6 +122,7 @@ class OneFOneB:
                 p2p.send_backward(input_grad, self.first)
             else:
                 input_tensor = p2p.send_backward_recv_forward(input_grad, self.recv, self.first)
+            input_grad = None  # sent: not held through the next forward and backward (rule 5)
 
     def cooldown(self, warmup: int) -> None:
         """Rule 3: the remaining backwards; grad sync is on for the very last one."""

@@ -18,11 +18,13 @@ Re-exported by :mod:`megatron_core.pipeline_parallel.schedules` under megatron-c
    from ``forward_step`` / ``backward_step`` as it was given.
 5. Nothing of a microbatch outlives its backward in the schedule: the 1F1B schedule holds a
    microbatch in its input and output lists alone (no local variable keeps the warm-up's last
-   forward, nor the steady loop's last microbatch, past its backward). A held output keeps its
-   graph alive, and with it what the graph's nodes hold after their backward (a checkpoint's
-   RNG states, the received input), through later forwards: 65 KiB of stage 0's 1.2 MiB peak
-   and 32 KiB of the last stage's 1.6 MiB in BENCHMARKS.md's pipeline stages of the recompute
-   planner. The interleaved schedule's outputs leave with the backward that pops them.
+   forward, nor the steady loop's last microbatch, past its backward, nor its input gradient
+   past its send, which kept one [s, b, h] tensor through the next forward and backward). A
+   held output keeps its graph alive, and with it what the graph's nodes hold after their
+   backward (a checkpoint's RNG states, the received input), through later forwards: 65 KiB
+   of stage 0's 1.2 MiB peak and 32 KiB of the last stage's 1.6 MiB in BENCHMARKS.md's
+   pipeline stages of the recompute planner. The interleaved schedule's outputs leave with
+   the backward that pops them.
 """
 
 from __future__ import annotations

@@ -439,18 +439,26 @@ def test_1f1b_keeps_at_most_pp_microbatches_in_flight(world_size, ms):
 
 def _finished_microbatches_alive(pp, m):
     """At each forward step of this stage: how many microbatches whose backward already ran
-    still have their output or their received input alive (weak references taken as the
-    schedule hands them over)."""
+    still have their output, their received input or its gradient (sent back) alive (weak
+    references taken as the schedule hands them over, the gradient as its backward returns it)."""
+    from megatron_core.pipeline_parallel import _one_f_one_b
+
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     (chunk,), _ = _chunks(_config(), pp, 1, rank)
-    refs, alive = {"input": [], "output": []}, []
-    set_input = chunk.set_input_tensor
+    refs, alive = {"input": [], "output": [], "input grad": []}, []
+    set_input, backward = chunk.set_input_tensor, _one_f_one_b.backward_step
 
     def keep_reference(tensors):
         if tensors[0] is not None:
             refs["input"].append(weakref.ref(tensors[0]))
         set_input(tensors)
+
+    def backward_step(*args, **kwargs):
+        grads = backward(*args, **kwargs)
+        if grads[0] is not None:
+            refs["input grad"].append(weakref.ref(grads[0]))
+        return grads
 
     def step(data_iterator, model):
         done = sum(event[0] == "B" for event in EVENTS)  # backwards that ran so far
@@ -460,19 +468,24 @@ def _finished_microbatches_alive(pp, m):
         return out, loss_func
 
     chunk.set_input_tensor = keep_reference
+    _one_f_one_b.backward_step = backward_step
     EVENTS.clear()
-    get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(_data(m)), model=chunk,
-        num_microbatches=m, seq_length=SEQ, micro_batch_size=BATCH,
-    )  # fmt: skip
+    try:
+        get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(_data(m)), model=chunk,
+            num_microbatches=m, seq_length=SEQ, micro_batch_size=BATCH,
+        )  # fmt: skip
+    finally:
+        _one_f_one_b.backward_step = backward
     return alive
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_1f1b_drops_a_microbatch_after_its_backward(world_size):
-    # NOTE [ Pipeline outputs ], rule 5: once backward k ran, microbatch k's output (its graph)
-    # and received input are gone on every stage: neither the warm-up's last forward nor the
-    # steady loop's last microbatch stays referenced through the next forwards.
+    # NOTE [ Pipeline outputs ], rule 5: once backward k ran, microbatch k's output (its graph),
+    # received input and the input's gradient are gone on every stage: neither the warm-up's
+    # last forward nor the steady loop's last microbatch nor its sent gradient stays referenced
+    # through the next forwards.
     per_rank = run_distributed(_finished_microbatches_alive, world_size, world_size, 6, timeout=60)
     assert per_rank == [[0] * 6] * world_size
 
