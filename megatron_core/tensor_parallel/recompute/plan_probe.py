@@ -40,13 +40,6 @@ _MARK = "megatron_core.recompute_plan:"
 _BEGIN = _MARK + "<begin>"  # where a CPU timeline's counting begins (not among its points)
 
 
-def _cpu_memory_profiler() -> torch.profiler.profile:
-    """torch's profiler recording the CPU allocator's events."""
-    return torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    )
-
-
 class MemoryTimeline:
     """Bytes allocated on this rank's device while a block runs, read at named marks.
 
@@ -82,7 +75,9 @@ class MemoryTimeline:
         else:
             from megatron_core.tensor_parallel.random import renew_stream_tensors
 
-            self._profiler = _cpu_memory_profiler()
+            self._profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            )
             self._frees = recording_frees()  # NOTE [ Frees the CPU profiler records ]
             self._frees.__enter__()
             self._profiler.__enter__()
