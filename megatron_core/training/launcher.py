@@ -18,10 +18,11 @@ by torchrun, or by this launcher, it is one rank.
    later ones are ignored while the rank winds down. If that bytecode belongs to a finalizer
    (``weakref.finalize``, ``__del__``), Python swallows the exception and prints "Exception
    ignored"; the rank then hides that report and raises the interruption again in the main
-   thread (``_thread.interrupt_main``). A peer blocked in a collective with a rank
-   that already stopped gets a connection error, which counts as the same interruption. One
-   line is printed (by the built-in launcher, else by rank 0); the status is 130 (SIGINT) or
-   143 (SIGTERM).
+   thread (``_thread.interrupt_main``, from a thread it starts; a second signal that arrives
+   while that thread starts is left to it, not raised inside the hook). A peer blocked in a
+   collective with a rank that already stopped gets a connection error, which counts as the
+   same interruption. One line is printed (by the built-in launcher, else by rank 0); the
+   status is 130 (SIGINT) or 143 (SIGTERM).
 3. Parent-death watch. A rank started by a launcher (torchrun or ours) polls its parent pid
    twice a second; once the launcher is gone (SIGKILL leaves the ranks re-parented) the rank
    exits at once with status 1, so no rank trains on as an orphan. A rank whose collective fails
@@ -112,12 +113,15 @@ class _Signals:
     def __init__(self):
         self.received: int | None = None
         self.swallowed = False  # the KeyboardInterrupt was raised inside a finalizer and lost
+        self._retrying = False  # the unraisable hook is starting the thread that raises it again
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
         self._previous_hook = sys.unraisablehook
         sys.unraisablehook = self._unraisable
 
     def _handle(self, signum, frame) -> None:
+        if self._retrying:  # a second signal inside the hook: the retry thread will raise it
+            return
         if self.received is None or self.swallowed:
             self.received = self.received or signum
             self.swallowed = False
@@ -129,7 +133,11 @@ class _Signals:
             self._previous_hook(unraisable)
             return
         self.swallowed = True  # raise it again in the main thread, once the finalizer is over
-        threading.Thread(target=_interrupt_main_soon, daemon=True).start()
+        self._retrying = True
+        try:
+            threading.Thread(target=_interrupt_main_soon, daemon=True).start()
+        finally:
+            self._retrying = False
 
 
 def _interrupt_main_soon() -> None:
