@@ -31,6 +31,9 @@ __all__ = [
     "CPU_STREAM_BASE",
     "profiler_allocations",
     "storage_holders",
+    "sdpa_kernel",
+    "FusedBlockOps",
+    "fused_attention_block_ops",
 ]
 
 FLOOR = (2, 6)  # setup.py's torch>=2.6
@@ -205,3 +208,104 @@ def storage_holders(storage: torch.UntypedStorage) -> int:
     and storage objects, ``storage`` itself included. torch's private ``_storage_Use_Count``
     (every supported torch has it; torch's own CUDA-graph trees read it)."""
     return torch._C._storage_Use_Count(storage._cdata)
+
+
+# --- attention kernels (NOTE [ Fused attention ] in megatron_core/attention) ------------------
+
+# torch.nn.attention.SDPBackend's values, as torch._fused_sdp_choice returns them
+_SDPA_KERNELS = {-1: "none", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+
+
+def sdpa_kernel(query, key, value, attn_mask, dropout_p: float, is_causal: bool, scale, gqa: bool):
+    """The kernel ``F.scaled_dot_product_attention`` runs for these arguments: "flash",
+    "efficient", "cudnn", "overrideable", "math" (its unfused composite) or "none".
+
+    torch's private ``torch._fused_sdp_choice`` (the selector SDPA itself calls; every supported
+    torch has it with ``enable_gqa``, added in 2.5); "math" where a build lacks it.
+    """
+    chooser = getattr(torch, "_fused_sdp_choice", None)
+    if chooser is None:
+        return "math"
+    index = chooser(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=gqa)
+    return _SDPA_KERNELS.get(int(index), "math")
+
+
+class FusedBlockOps:
+    """One device's fused attention forward and backward ops that return and take the
+    log-sum-exp (what a context-parallel ring merges blocks with), in one calling convention.
+
+    ``forward(q, k, v, bias, causal, scale) -> (out, lse, saved)``: q [b, h, sq, d], k / v
+    [b, h, sk, d] (heads already repeated for GQA), ``bias`` None or an additive mask of q's dtype
+    broadcastable to [b, h, sq, sk]; ``causal`` is top-left aligned; out [b, h, sq, d] in q's
+    dtype, lse fp32 [b, h, sq]. ``backward(dout, q, k, v, out, lse, saved, bias, causal, scale)
+    -> (dq, dk, dv)`` takes the *row's* out and lse (of every block merged), as a ring needs;
+    ``saved`` is what the forward returned, or None (no dropout: nothing of it is needed).
+
+    Attributes:
+        name: the aten op family ("flash_cpu", "efficient").
+    """
+
+    def __init__(self, name, forward, backward):
+        self.name, self.forward, self.backward = name, forward, backward
+
+
+def _cpu_flash_forward(q, k, v, bias, causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+    )
+    return out, lse, None
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, saved, bias, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
+    )
+
+
+def _aligned_bias(bias, q, k):
+    """``bias`` as the memory-efficient kernel reads it: rows whose stride is a multiple of 16
+    elements (the values in the first sk columns), expanded to [b, h, sq, sk] as a view."""
+    if bias is None:
+        return None
+    (b, h, sq, _), sk = q.shape, k.shape[2]
+    width = -(-sk // 16) * 16
+    rows = bias.new_zeros(*bias.shape[:-1], width)
+    rows[..., :sk] = bias
+    return rows[..., :sk].expand(b, h, sq, sk)
+
+
+def _efficient_forward(q, k, v, bias, causal, scale):
+    bias = _aligned_bias(bias, q, k)
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, causal, scale=scale
+    )
+    # the kernel pads the lse's last dimension to its alignment; the rows past sq are unused
+    return out, lse[..., : q.shape[2]].contiguous(), (seed, offset, lse.shape[-1])
+
+
+def _efficient_backward(dout, q, k, v, out, lse, saved, bias, causal, scale):
+    if saved is None:  # no dropout: the Philox state is not read; the lse padded as given out
+        zero = torch.zeros((), dtype=torch.int64)
+        saved = (zero, zero, -(-lse.shape[-1] // 32) * 32)
+    seed, offset, width = saved
+    bias = _aligned_bias(bias, q, k)
+    if width != lse.shape[-1]:
+        lse = torch.nn.functional.pad(lse, (0, width - lse.shape[-1]))
+    grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(), q, k, v, bias, out, lse, seed, offset, 0.0,
+        [True, True, True, False], causal, scale=scale,
+    )  # fmt: skip
+    return grads[0], grads[1], grads[2]
+
+
+def fused_attention_block_ops(device_type: str) -> FusedBlockOps | None:
+    """The fused block ops of a device type: torch's CPU flash kernel (``_scaled_dot_product_
+    flash_attention_for_cpu`` and its backward) on "cpu", the memory-efficient kernel
+    (``_scaled_dot_product_efficient_attention``: any float dtype, additive masks) on "cuda";
+    None elsewhere or where this torch lacks the ops."""
+    ops = torch.ops.aten
+    if device_type == "cpu" and hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu"):
+        return FusedBlockOps("flash_cpu", _cpu_flash_forward, _cpu_flash_backward)
+    if device_type == "cuda" and hasattr(ops, "_scaled_dot_product_efficient_attention"):
+        return FusedBlockOps("efficient", _efficient_forward, _efficient_backward)
+    return None

@@ -74,6 +74,11 @@ VARIABLES = (
     ),
     Variable("MEGATRON_CORE_DEBUG", "flag", "the main job's debug output (as --debug)"),
     Variable(
+        "MEGATRON_CORE_ATTENTION_DEBUG",
+        "flag",
+        "log the attention kernel every distinct call chose (fallbacks are logged anyway)",
+    ),
+    Variable(
         "MEGATRON_CORE_TEST_DEVICE",
         "cpu / cuda",
         "where the test harness's ranks put their tensors (default cpu)",

@@ -31,13 +31,15 @@ LEVELS = {
     "utils": 2,
     "tensor_parallel": 3,
     "deepspeed_checkpointing": 3,
-    "pipeline_parallel": 4,
-    "distributed": 4,
-    "context_parallel": 4,
-    "transformer": 5,
-    "training": 6,
-    "megatron": 7,
-    "testing": 7,
+    "attention": 4,
+    "pipeline_parallel": 5,
+    "distributed": 5,
+    "context_parallel": 5,
+    "transformer": 6,
+    "transformer_engine": 6,
+    "training": 7,
+    "megatron": 8,
+    "testing": 8,
 }
 
 

@@ -1,6 +1,7 @@
-"""Context-parallel core attention: ``all_gather``, ``p2p`` (ring) and ``a2a`` (Ulysses), each
-an autograd function whose backward recomputes the scores from what the forward saved (NOTE
-[ Context parallelism ], rules 2-4)."""
+"""Context-parallel core attention: ``all_gather`` and ``p2p`` (ring), autograd functions whose
+blocks run on the attention core's fused block ops and whose backward recomputes each block from
+what the forward saved, and ``a2a`` (Ulysses), the core on whole sequences of a head subset (NOTE
+[ Context parallelism ], rules 2-4; NOTE [ Fused attention ], rule 3)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron_core.attention import AttentionBlocks, check_backend, dot_product_attention
+from megatron_core.attention.core import check_attention_inputs
 from megatron_core.context_parallel.split import _group_or_default, cp_positions
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import _collectives
@@ -18,64 +21,21 @@ __all__ = ["CP_COMM_TYPES", "context_parallel_attention"]
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
-# --- the block computation (rule 3): fp32, scores recomputed in backward -----------------------
+# --- layouts and the merge (rule 3: merges and sums in fp32) ---------------------------------
 
 
-def _scores(q, k, q_pos, k_pos, causal: bool, scale: float, mask=None) -> torch.Tensor:
-    """[b, h, sq, sk] fp32 scores, -inf where a key is after the query (causal) and where
-    ``mask`` ([b or 1, 1, sq, sk] bool, True = masked out) says."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(k_pos.view(1, 1, 1, -1) > q_pos.view(1, 1, -1, 1), float("-inf"))
-    if mask is not None:
-        s = s.masked_fill(mask, float("-inf"))
-    return s
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    """[s, b, h, d] -> [b, h, s, d] (a view)."""
+    return x.permute(1, 2, 0, 3)
 
 
-def _sub_mask(mask, rows, k_pos):
-    """The rows ``rows`` (a slice of this rank's queries) and the columns of the global key
-    positions ``k_pos`` of ``mask`` [b or 1, 1, sq, s]; None stays None."""
-    if mask is None:
-        return None
-    return mask[:, :, rows].index_select(-1, k_pos)
+def _sbhd(x: torch.Tensor, dtype) -> torch.Tensor:
+    """[b, h, s, d] -> [s, b, h, d] in ``dtype``, contiguous."""
+    return x.permute(2, 0, 1, 3).to(dtype).contiguous()
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """``lse`` with the rows that see no key (-inf) at 0, so exp(-inf - 0) gives them p = 0."""
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-
-
-def _fp32(function):
-    """Run ``function`` with autocast off: its fp32 inputs stay fp32 (rule 3)."""
-
-    def run(q, *args):
-        with torch.autocast(device_type=q.device.type, enabled=False):
-            return function(q, *args)
-
-    return run
-
-
-@_fp32
-def _block_forward(q, k, v, q_pos, k_pos, causal, scale, mask=None):
-    """(out [b, h, sq, d], lse [b, h, sq]) of queries ``q`` over one block of keys, fp32."""
-    s = _scores(q, k, q_pos, k_pos, causal, scale, mask)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - _finite(lse).unsqueeze(-1))
-    return torch.matmul(p, v), lse
-
-
-@_fp32
-def _block_backward(q, k, v, q_pos, k_pos, causal, scale, dout, lse, delta, mask=None):
-    """(dq, dk, dv) of one block of keys, from the whole row's ``lse`` and
-    ``delta`` = rowsum(dout * out) (the softmax gradient needs no other block)."""
-    s = _scores(q, k, q_pos, k_pos, causal, scale, mask)
-    p = torch.exp(s - _finite(lse).unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    dp = torch.matmul(dout, v.transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q) * scale
-    return dq, dk, dv
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -89,88 +49,112 @@ def _merge(out, lse, block_out, block_lse):
     return out * a + block_out * b, new
 
 
-def _bhsd(x: torch.Tensor, groups: int = 1) -> torch.Tensor:
-    """[s, b, h, d] -> fp32 [b, h * groups, s, d] (K/V heads repeated for GQA)."""
-    x = x.permute(1, 2, 0, 3).float()
-    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+def _sub_mask(mask, rows, k_pos):
+    """The rows ``rows`` (a slice of this rank's queries) and the columns of the global key
+    positions ``k_pos`` of ``mask`` [b or 1, 1, sq, s]; None stays None."""
+    if mask is None:
+        return None
+    return mask[:, :, rows].index_select(-1, k_pos)
 
 
-def _sbhd(x: torch.Tensor, dtype, kv_heads: int | None = None) -> torch.Tensor:
-    """fp32 [b, h, s, d] -> [s, b, h, d] in ``dtype``; with ``kv_heads``, the gradient of
-    repeated K/V heads summed back onto them."""
-    if kv_heads is not None and x.shape[1] != kv_heads:
-        b, h, s, d = x.shape
-        x = x.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
-    return x.permute(2, 0, 1, 3).to(dtype).contiguous()
+def _delta(grad: torch.Tensor, out: torch.Tensor, dtype) -> torch.Tensor:
+    """rowsum(dO * O) [b, h, s] in ``dtype`` (fp32 or wider): the softmax gradient's row term."""
+    return (_bhsd(grad).to(dtype) * _bhsd(out).to(dtype)).sum(-1)
 
 
-# --- one rank: the local attention (also the core of a2a) ---------------------------------------
-
-
-class _LocalAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, causal, scale, mask):
-        g = q.shape[2] // k.shape[2]
-        mask = _sub_mask(mask, slice(None), k_pos)
-        out, lse = _block_forward(
-            _bhsd(q), _bhsd(k, g), _bhsd(v, g), q_pos, k_pos, causal, scale, mask
-        )
-        ctx.save_for_backward(q, k, v, q_pos, k_pos, out, lse, mask)
-        ctx.causal, ctx.scale = causal, scale
-        return _sbhd(out, q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, q_pos, k_pos, out, lse, mask = ctx.saved_tensors
-        g = q.shape[2] // k.shape[2]
-        dout = _bhsd(grad)
-        delta = (dout * out).sum(-1)
-        dq, dk, dv = _block_backward(
-            _bhsd(q), _bhsd(k, g), _bhsd(v, g), q_pos, k_pos, ctx.causal, ctx.scale, dout, lse,
-            delta, mask,
-        )  # fmt: skip
-        kv = k.shape[2]
-        return _sbhd(dq, q.dtype), _sbhd(dk, k.dtype, kv), _sbhd(dv, v.dtype, kv), *[None] * 5
+def _dropout_seed(query: torch.Tensor, dropout_p: float) -> int:
+    """One seed for the call's block masks, drawn from the current device generator (the
+    caller's fork: NOTE [ Fused attention ], rule 4); 0 without dropout (nothing drawn)."""
+    if not dropout_p:
+        return 0
+    return int(torch.randint(0, 2**40, (), device=query.device).item()) * 4096
 
 
 # --- all_gather: K and V gathered, dK/dV reduce-scattered ---------------------------------------
 
 
+def _all_gather_parts(size: int, rank: int, local: int, causal: bool, device):
+    """For each of this rank's two query chunks: (query rows, [(gathered key rows, causal)]).
+    The gathered K holds rank r's chunks r and 2 * size - 1 - r at rows r * local + [0, half)
+    and [half, local). Causal: chunk c's queries see the chunks before c whole and chunk c
+    causally (two blocks, no mask); otherwise every key (one block)."""
+    half = local // 2
+
+    def rows_of(chunk: int) -> torch.Tensor:
+        owner = chunk if chunk < size else 2 * size - 1 - chunk
+        start = owner * local + (0 if chunk < size else half)
+        return torch.arange(start, start + half, device=device)
+
+    if not causal:
+        return [(slice(0, local), [(torch.arange(size * local, device=device), False)])]
+    parts = []
+    for i, chunk in enumerate((rank, 2 * size - 1 - rank)):
+        blocks = [(rows_of(chunk), True)]
+        if chunk:
+            blocks.insert(0, (torch.cat([rows_of(c) for c in range(chunk)]), False))
+        parts.append((slice(i * half, (i + 1) * half), blocks))
+    return parts
+
+
+def _gathered_positions(seq_len: int, size: int, device) -> torch.Tensor:
+    return torch.cat([cp_positions(seq_len, size, r, device=device) for r in range(size)])
+
+
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, seq_len, causal, scale, mask):
-        size, rank = group.size(), group.rank()
-        q_pos = cp_positions(seq_len, size, rank, device=q.device)
-        k_pos = torch.cat([cp_positions(seq_len, size, r, device=q.device) for r in range(size)])
-        mask = _sub_mask(mask, slice(None), k_pos)
-        full_k = _collectives.all_gather_first_dim(k.contiguous(), group)
-        full_v = _collectives.all_gather_first_dim(v.contiguous(), group)
-        g = q.shape[2] // k.shape[2]
-        out, lse = _block_forward(
-            _bhsd(q), _bhsd(full_k, g), _bhsd(full_v, g), q_pos, k_pos, causal, scale, mask
-        )
-        ctx.save_for_backward(q, k, v, q_pos, k_pos, out, lse, mask)  # local K/V: gathered again
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
-        return _sbhd(out, q.dtype)
+    def forward(ctx, q, k, v, group, seq_len, causal, scale, mask, blocks):
+        size, rank, local = group.size(), group.rank(), q.shape[0]
+        full_k = _bhsd(_collectives.all_gather_first_dim(k.contiguous(), group))
+        full_v = _bhsd(_collectives.all_gather_first_dim(v.contiguous(), group))
+        k_pos = _gathered_positions(seq_len, size, q.device)
+        qf = _bhsd(q)
+        out = torch.empty(qf.shape, dtype=blocks.acc, device=q.device)
+        lse = torch.empty(qf.shape[:3], dtype=blocks.acc, device=q.device)
+        parts = _all_gather_parts(size, rank, local, causal, q.device)
+        for i, (rows, key_blocks) in enumerate(parts):
+            acc = acc_lse = None
+            for j, (keys, diagonal) in enumerate(key_blocks):
+                part = blocks.forward(
+                    qf[:, :, rows], full_k.index_select(2, keys), full_v.index_select(2, keys),
+                    diagonal, scale, _sub_mask(mask, rows, k_pos[keys]), 4 * rank + 2 * i + j,
+                )  # fmt: skip
+                acc, acc_lse = _merge(acc, acc_lse, *part)
+            out[:, :, rows], lse[:, :, rows] = acc, acc_lse
+        result = _sbhd(out, q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse, mask)  # local K/V: gathered again
+        ctx.group, ctx.seq_len, ctx.causal, ctx.scale, ctx.blocks = (
+            group, seq_len, causal, scale, blocks
+        )  # fmt: skip
+        return result
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, q_pos, k_pos, out, lse, mask = ctx.saved_tensors
-        group = ctx.group
-        full_k = _collectives.all_gather_first_dim(k.contiguous(), group)
-        full_v = _collectives.all_gather_first_dim(v.contiguous(), group)
-        g = q.shape[2] // k.shape[2]
-        dout = _bhsd(grad)
-        delta = (dout * out).sum(-1)
-        dq, dk, dv = _block_backward(
-            _bhsd(q), _bhsd(full_k, g), _bhsd(full_v, g), q_pos, k_pos, ctx.causal, ctx.scale,
-            dout, lse, delta, mask,
-        )  # fmt: skip
-        kv = k.shape[2]
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        group, blocks = ctx.group, ctx.blocks
+        size, rank, local = group.size(), group.rank(), q.shape[0]
+        full_k = _bhsd(_collectives.all_gather_first_dim(k.contiguous(), group))
+        full_v = _bhsd(_collectives.all_gather_first_dim(v.contiguous(), group))
+        k_pos = _gathered_positions(ctx.seq_len, size, q.device)
+        qf, dout, outf = _bhsd(q), _bhsd(grad).to(blocks.acc), _bhsd(out).to(blocks.acc)
+        delta = _delta(grad, out, blocks.acc)
+        dq = torch.zeros(qf.shape, dtype=blocks.acc, device=q.device)
+        dk = torch.zeros(full_k.shape, dtype=blocks.acc, device=q.device)
+        dv = torch.zeros(full_v.shape, dtype=blocks.acc, device=q.device)
+        parts = _all_gather_parts(size, rank, local, ctx.causal, q.device)
+        for i, (rows, key_blocks) in enumerate(parts):
+            for j, (keys, diagonal) in enumerate(key_blocks):
+                part_dq, part_dk, part_dv = blocks.backward(
+                    qf[:, :, rows], full_k.index_select(2, keys), full_v.index_select(2, keys),
+                    diagonal, ctx.scale, dout[:, :, rows], outf[:, :, rows], lse[:, :, rows],
+                    delta[:, :, rows], _sub_mask(mask, rows, k_pos[keys]), 4 * rank + 2 * i + j,
+                )  # fmt: skip
+                dq[:, :, rows] += part_dq
+                dk.index_add_(2, keys, part_dk)
+                dv.index_add_(2, keys, part_dv)
         # every rank's queries touched every rank's keys: sum the parts, each to its owner (fp32)
-        dk = _collectives.reduce_scatter_first_dim(_sbhd(dk, torch.float32, kv), group)
-        dv = _collectives.reduce_scatter_first_dim(_sbhd(dv, torch.float32, kv), group)
-        return _sbhd(dq, q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * 5
+        dk = _collectives.reduce_scatter_first_dim(_sbhd(dk, blocks.acc), group)
+        dv = _collectives.reduce_scatter_first_dim(_sbhd(dv, blocks.acc), group)
+        return _sbhd(dq, q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * 6
 
 
 # --- p2p: the ring --------------------------------------------------------------------------------
@@ -203,9 +187,10 @@ _RING_OVERLAP = True  # benchmarks: False waits for each block before computing 
 
 
 def _ring_part(step: int, rank: int, source: int, local: int, causal: bool):
-    """(query rows, key rows, mask) of ring step ``step``: with the causal load-balanced split a
-    block from an earlier rank is seen whole by this rank's queries through its first chunk
-    only, and one from a later rank only by this rank's second chunk, unmasked (rule 2)."""
+    """(query rows, key rows, causal) of ring step ``step``: with the causal load-balanced split
+    a block from an earlier rank is seen whole by this rank's queries through its first chunk
+    only, and one from a later rank only by this rank's second chunk, unmasked; the rank's own
+    block (step 0) is causal, top-left aligned (its positions rise with the local index)."""
     everything = slice(0, local)
     if not causal:
         return everything, everything, False
@@ -219,11 +204,9 @@ def _ring_part(step: int, rank: int, source: int, local: int, causal: bool):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, seq_len, causal, scale, mask):
+    def forward(ctx, q, k, v, group, seq_len, causal, scale, mask, blocks):
         size, rank = group.size(), group.rank()
         ranks = dist.get_process_group_ranks(group)
-        q_pos = cp_positions(seq_len, size, rank, device=q.device)
-        g = q.shape[2] // k.shape[2]
         local = q.shape[0]
         qf = _bhsd(q)
         block = torch.stack([k, v]).contiguous()  # travels round the ring
@@ -236,11 +219,11 @@ class _RingAttention(torch.autograd.Function):
                     _wait(works)
                     works = []
             source = (rank - step) % size
-            rows, keys, masked = _ring_part(step, rank, source, local, causal)
+            rows, keys, diagonal = _ring_part(step, rank, source, local, causal)
             k_pos = cp_positions(seq_len, size, source, device=q.device)[keys]
-            part_out, part_lse = _block_forward(
-                qf[:, :, rows], _bhsd(block[0, keys], g), _bhsd(block[1, keys], g),
-                q_pos[rows], k_pos, masked, scale, _sub_mask(mask, rows, k_pos),
+            part_out, part_lse = blocks.forward(
+                qf[:, :, rows], _bhsd(block[0, keys]), _bhsd(block[1, keys]), diagonal, scale,
+                _sub_mask(mask, rows, k_pos), rank * size + source,
             )  # fmt: skip
             if out is None:
                 out, lse = part_out, part_lse
@@ -251,40 +234,41 @@ class _RingAttention(torch.autograd.Function):
             if not last:
                 _wait(works)
                 block = incoming
-        ctx.save_for_backward(q, k, v, q_pos, out, lse, mask)
+        result = _sbhd(out, q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse, mask)
         ctx.group, ctx.ranks, ctx.seq_len = group, ranks, seq_len
-        ctx.causal, ctx.scale = causal, scale
-        return _sbhd(out, q.dtype)
+        ctx.causal, ctx.scale, ctx.blocks = causal, scale, blocks
+        return result
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, q_pos, out, lse, mask = ctx.saved_tensors
-        group, ranks = ctx.group, ctx.ranks
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        group, ranks, blocks = ctx.group, ctx.ranks, ctx.blocks
         size, rank = group.size(), group.rank()
-        g = q.shape[2] // k.shape[2]
-        kv, local = k.shape[2], q.shape[0]
-        qf, dout = _bhsd(q), _bhsd(grad)
-        delta = (dout * out).sum(-1)
-        dq = torch.zeros_like(qf)
-        # a block travels with the fp32 sums of its dK and dV; after a full turn it is home
-        block = torch.stack([k.float(), v.float(), torch.zeros_like(k, dtype=torch.float32),
-                             torch.zeros_like(v, dtype=torch.float32)]).contiguous()  # fmt: skip
+        local = q.shape[0]
+        qf, dout, outf = _bhsd(q), _bhsd(grad).to(blocks.acc), _bhsd(out).to(blocks.acc)
+        delta = _delta(grad, out, blocks.acc)
+        dq = torch.zeros(qf.shape, dtype=blocks.acc, device=q.device)
+        # a block travels with the fp32 (fp64) sums of its dK and dV; after a full turn it is home
+        kf, vf = k.to(blocks.acc), v.to(blocks.acc)
+        block = torch.stack([kf, vf, torch.zeros_like(kf), torch.zeros_like(vf)]).contiguous()
         for step in range(size):
             source = (rank - step) % size
-            rows, keys, masked = _ring_part(step, rank, source, local, ctx.causal)
+            rows, keys, diagonal = _ring_part(step, rank, source, local, ctx.causal)
             k_pos = cp_positions(ctx.seq_len, size, source, device=q.device)[keys]
-            part_dq, part_dk, part_dv = _block_backward(
-                qf[:, :, rows], _bhsd(block[0, keys], g), _bhsd(block[1, keys], g),
-                q_pos[rows], k_pos, masked, ctx.scale, dout[:, :, rows], lse[:, :, rows],
-                delta[:, :, rows], _sub_mask(mask, rows, k_pos),
+            part_dq, part_dk, part_dv = blocks.backward(
+                qf[:, :, rows], _bhsd(block[0, keys].to(k.dtype)),
+                _bhsd(block[1, keys].to(v.dtype)), diagonal, ctx.scale, dout[:, :, rows],
+                outf[:, :, rows], lse[:, :, rows], delta[:, :, rows],
+                _sub_mask(mask, rows, k_pos), rank * size + source,
             )  # fmt: skip
             dq[:, :, rows] += part_dq
-            block[2, keys] += _sbhd(part_dk, torch.float32, kv)
-            block[3, keys] += _sbhd(part_dv, torch.float32, kv)
+            block[2, keys] += _sbhd(part_dk, blocks.acc)
+            block[3, keys] += _sbhd(part_dv, blocks.acc)
             incoming, works = _ring_exchange(block, group, ranks)
             _wait(works)
             block = incoming
-        return _sbhd(dq, q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), *[None] * 5
+        return _sbhd(dq, q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), *[None] * 6
 
 
 # --- a2a: Ulysses ---------------------------------------------------------------------------------
@@ -337,10 +321,13 @@ def context_parallel_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     attention_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax attention of this rank's queries over the whole sequence's keys, the sequence
     split over the context-parallel group as :func:`~megatron_core.context_parallel.
-    split_for_context_parallel` splits it (NOTE [ Context parallelism ]).
+    split_for_context_parallel` splits it (NOTE [ Context parallelism ]); each block on torch's
+    fused kernels where the inputs allow (NOTE [ Fused attention ], rule 3).
 
     Args:
         query: [s/cp, b, h, d], this rank's positions (megatron-core's sbhd layout).
@@ -353,68 +340,83 @@ def context_parallel_attention(
         attention_mask: bool [b or 1, 1, s/cp, s], True where a query must not see a key
             (megatron-core's mask, its rows cut as ``get_batch_on_this_cp_rank`` cuts them, its
             columns the whole sequence in order), on top of ``causal``; None: none.
+        dropout_p: dropout on the attention probabilities, drawn from the current generator
+            (the caller's fork); p2p and all_gather only (NOTE [ Fused attention ], rule 4).
+        backend: "auto", "fused" or "unfused" (:data:`~megatron_core.attention.
+            ATTENTION_BACKENDS`).
 
     Returns:
-        [s/cp, b, h, d] in the query's dtype (scores, softmax and merges in fp32).
+        [s/cp, b, h, d] in the query's dtype (merges and dK / dV sums in fp32).
 
     Raises:
         MegatronCoreError: before any collective, on every rank alike: an unknown
-            ``cp_comm_type``, shapes that do not match, a local length that is odd, or (a2a)
-            heads not divisible by the CP size.
+            ``cp_comm_type`` or backend, shapes that do not match, a local length that is odd,
+            (a2a) heads not divisible by the CP size or dropout.
     """
+    where = "context_parallel_attention"
     group = _group_or_default(cp_group)
     size = 1 if group is None else group.size()
+    backend = check_backend(backend, where)
     if cp_comm_type not in CP_COMM_TYPES:
         raise MegatronCoreError(
-            f"context_parallel_attention: cp_comm_type ({cp_comm_type!r}) must be one of "
-            f"{CP_COMM_TYPES}"
+            f"{where}: cp_comm_type ({cp_comm_type!r}) must be one of {CP_COMM_TYPES}"
         )
-    if query.dim() != 4 or key.shape != value.shape or key.dim() != 4:
+    sq = query.shape[0] if query.dim() else 0
+    local_mask = attention_mask  # its columns are every key: checked below
+    if attention_mask is not None and attention_mask.dim() == 4:
+        local_mask = attention_mask[..., :sq]
+    check_attention_inputs(where, query, key, value, local_mask, dropout_p)
+    if key.shape[0] != sq:
         raise MegatronCoreError(
-            f"context_parallel_attention: query {tuple(query.shape)}, key {tuple(key.shape)} and "
-            f"value {tuple(value.shape)} must be [s, b, heads, head_dim] with equal key/value"
+            f"{where}: key/value {tuple(key.shape)} must have the query's local length ({sq})"
         )
-    sq, b, h, d = query.shape
-    if key.shape[0] != sq or key.shape[1] != b or key.shape[3] != d or h % key.shape[2]:
-        raise MegatronCoreError(
-            f"context_parallel_attention: key/value {tuple(key.shape)} do not fit query "
-            f"{tuple(query.shape)} (same s, b, head_dim; heads divisible by key/value heads)"
-        )
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     mask = attention_mask
-    if mask is not None:
-        fits = mask.dim() == 4 and mask.shape[0] in (1, b) and mask.shape[1] == 1
-        if not fits or tuple(mask.shape[2:]) != (sq, sq * size) or mask.dtype != torch.bool:
-            raise MegatronCoreError(
-                f"context_parallel_attention: attention_mask {tuple(mask.shape)} ({mask.dtype}) "
-                f"must be bool [b or 1, 1, {sq}, {sq * size}] (this rank's queries, every key)"
-            )
+    if mask is not None and (mask.shape[1] != 1 or mask.shape[3] != sq * size):
+        raise MegatronCoreError(
+            f"{where}: attention_mask {tuple(mask.shape)} ({mask.dtype}) must be bool "
+            f"[b or 1, 1, {sq}, {sq * size}] (this rank's queries, every key)"
+        )
+    h, d = query.shape[2], query.shape[3]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     if size == 1:
-        positions = torch.arange(sq, device=query.device)
-        return _LocalAttention.apply(query, key, value, positions, positions, causal, scale, mask)
+        return dot_product_attention(
+            query, key, value, causal=causal, attention_mask=mask, softmax_scale=scale,
+            dropout_p=dropout_p, backend=backend, where=where,
+        )  # fmt: skip
     if sq % 2:
         raise MegatronCoreError(
-            f"context_parallel_attention: the local sequence length ({sq}) must be even (the "
-            f"sequence is cut into 2 * cp = {2 * size} chunks)"
+            f"{where}: the local sequence length ({sq}) must be even (the sequence is cut into "
+            f"2 * cp = {2 * size} chunks)"
         )
     seq_len = sq * size
-    if cp_comm_type == "all_gather":
-        return _AllGatherAttention.apply(query, key, value, group, seq_len, causal, scale, mask)
-    if cp_comm_type == "p2p":
-        return _RingAttention.apply(query, key, value, group, seq_len, causal, scale, mask)
+    if cp_comm_type in ("all_gather", "p2p"):
+        blocks = AttentionBlocks(
+            query, float(dropout_p), _dropout_seed(query, dropout_p), backend, where
+        )
+        function = _AllGatherAttention if cp_comm_type == "all_gather" else _RingAttention
+        return function.apply(query, key, value, group, seq_len, causal, scale, mask, blocks)
     if h % size or key.shape[2] % size:
         raise MegatronCoreError(
-            f"context_parallel_attention: a2a needs the heads ({h}) and key/value heads "
-            f"({key.shape[2]}) divisible by the context-parallel size ({size})"
+            f"{where}: a2a needs the heads ({h}) and key/value heads ({key.shape[2]}) divisible "
+            f"by the context-parallel size ({size})"
         )
-    positions = torch.cat(
-        [cp_positions(seq_len, size, r, device=query.device) for r in range(size)]
-    )
-    q, k, v = (_to_heads(x, group) for x in (query, key, value))
+    if dropout_p:
+        raise MegatronCoreError(
+            f"{where}: attention dropout ({dropout_p}) with cp_comm_type 'a2a' is not supported "
+            "(every CP rank would draw the same masks for its own heads); use 'p2p' or "
+            "'all_gather'"
+        )
+    # the queries become whole sequences of a head subset, in rank-chunk order: sorted into
+    # sequence order, the causal mask is the core's own
+    order = torch.argsort(_gathered_positions(seq_len, size, query.device))
+    q, k, v = (_to_heads(x, group).index_select(0, order) for x in (query, key, value))
     if mask is not None:  # every rank's rows: the queries are now the whole sequence
         rows = _collectives.all_gather_first_dim(
             mask.movedim(2, 0).to(torch.uint8).contiguous(), group
         )
-        mask = rows.movedim(0, 2).bool()
-    out = _LocalAttention.apply(q, k, v, positions, positions, causal, scale, mask)
-    return _to_sequence(out, group)
+        mask = rows.index_select(0, order).movedim(0, 2).bool()
+    out = dot_product_attention(
+        q, k, v, causal=causal, attention_mask=mask, softmax_scale=scale, backend=backend,
+        where=where,
+    )  # fmt: skip
+    return _to_sequence(out.index_select(0, torch.argsort(order)), group)

@@ -15,8 +15,10 @@ a table of adapters applied to megatron-core modules as the switch imports them.
    a causal one (causal, padding_causal, causal_bottom_right), and the attention mask it is
    given (megatron-core's [b, 1, s/cp, s], rows cut by ``get_batch_on_this_cp_rank``). At
    CP=1 the forward is megatron-core's own, unchanged. Refused with a clear error (at
-   construction or in forward): attention dropout > 0, a sliding window (``window_size``),
-   packed sequences and attention bias with CP > 1.
+   construction or in forward): attention dropout > 0 with ``a2a``, a sliding window
+   (``window_size``), packed sequences and attention bias with CP > 1. Attention dropout with
+   ``p2p`` / ``all_gather`` draws inside the tracker's fork as megatron-core's own forward does
+   (NOTE [ Fused attention ], rule 4).
 3. ``rope_utils.get_pos_emb_on_this_cp_rank`` builds its index in pinned host memory and
    copies it to the GPU; it becomes this package's (the same rows, on the table's device).
 4. ``megatron.core.jit.jit_fuser`` is ``torch.compile``, applied as a decorator while
@@ -40,6 +42,7 @@ a table of adapters applied to megatron-core modules as the switch imports them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 
@@ -66,10 +69,15 @@ def _context_parallel_attention(cls):
             return
         dropout = kwargs.get("attention_dropout")
         dropout = config.attention_dropout if dropout is None else dropout
-        if dropout:
+        comm = kwargs.get("cp_comm_type") or getattr(config, "cp_comm_type", None) or "p2p"
+        if isinstance(comm, (list, tuple)):
+            comm = comm[max(1, layer_number) - 1]
+        if dropout and comm == "a2a":
             raise MegatronCoreError(
                 f"DotProductAttention: attention_dropout ({dropout}) with context_parallel_size "
-                f"({cp}) is not supported by this package's context parallelism; set it to 0"
+                f"({cp}) and cp_comm_type 'a2a' is not supported by this package's context "
+                "parallelism (NOTE [ Fused attention ], rule 4); set it to 0 or use 'p2p' / "
+                "'all_gather'"
             )
         window = getattr(config, "window_size", None)
         if window is not None:
@@ -83,9 +91,6 @@ def _context_parallel_attention(cls):
             original_init(self, config, layer_number, *args, **kwargs)
         finally:
             config.context_parallel_size = cp
-        comm = kwargs.get("cp_comm_type") or getattr(config, "cp_comm_type", None) or "p2p"
-        if isinstance(comm, (list, tuple)):
-            comm = comm[max(1, layer_number) - 1]
         pg_collection = kwargs.get("pg_collection")
         self._megatron_core_cp = cp
         self._megatron_core_cp_comm_type = comm
@@ -99,6 +104,7 @@ def _context_parallel_attention(cls):
                 self, query, key, value, attention_mask, attn_mask_type, attention_bias,
                 packed_seq_params, **kwargs,
             )  # fmt: skip
+        from megatron.core import tensor_parallel
         from megatron.core.transformer.enums import AttnMaskType
 
         from megatron_core.context_parallel import context_parallel_attention
@@ -111,11 +117,17 @@ def _context_parallel_attention(cls):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         # causal, padding_causal and their bottom-right forms (the same for self-attention)
         causal = "causal" in AttnMaskType(mask_type).name
-        out = context_parallel_attention(
-            query, key, value, cp_group=self._megatron_core_cp_group,
-            cp_comm_type=self._megatron_core_cp_comm_type, causal=causal,
-            softmax_scale=self.softmax_scale, attention_mask=attention_mask,
-        )  # fmt: skip
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        # megatron-core's own forward draws its dropout inside the tracker's fork unless the
+        # config is sequence parallel: the same stream here
+        fork = dropout_p and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
+            out = context_parallel_attention(
+                query, key, value, cp_group=self._megatron_core_cp_group,
+                cp_comm_type=self._megatron_core_cp_comm_type, causal=causal,
+                softmax_scale=self.softmax_scale, attention_mask=attention_mask,
+                dropout_p=dropout_p,
+            )  # fmt: skip
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     cls.__init__, cls.forward = __init__, forward

@@ -78,13 +78,21 @@ _ARGUMENTS = [
                 1,
                 _POS,
                 "ranks that split the sequence for attention (NOTE [ Context parallelism ]; "
-                "--seq-length divisible by 2 * this, --attention-dropout 0)",
+                "--seq-length divisible by 2 * this; --attention-dropout 0 with a2a)",
             ),
             (
                 "--cp-comm-type",
                 "p2p",
                 {"choices": ["p2p", "all_gather", "a2a"]},
                 "how context-parallel attention reaches the other ranks' keys",
+            ),
+            (
+                "--attention-backend",
+                "auto",
+                {"choices": ["auto", "fused", "unfused"]},
+                "core attention on torch's fused kernels where the inputs allow (auto), always "
+                "(fused: an error where they cannot run) or the unfused computation that "
+                "materializes the scores (NOTE [ Fused attention ])",
             ),
             (
                 "--sequence-parallel",
@@ -355,10 +363,10 @@ def _check_cp(args: argparse.Namespace) -> None:
             f"--seq-length ({args.seq_length}) must be divisible by 2 * --context-parallel-size "
             f"({2 * cp})"
         )
-    if args.attention_dropout:
+    if args.attention_dropout and args.cp_comm_type == "a2a":
         raise MegatronCoreError(
             f"--attention-dropout ({args.attention_dropout}) must be 0 with "
-            f"--context-parallel-size ({cp})"
+            f"--context-parallel-size ({cp}) and --cp-comm-type a2a"
         )
 
 

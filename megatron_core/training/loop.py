@@ -157,6 +157,7 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
         ffn_hidden_size=args.ffn_hidden_size,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
+        attention_backend=args.attention_backend,
         init_method_std=args.init_method_std,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
@@ -325,7 +326,8 @@ def _describe(args, corpus: ByteCorpus, config: TransformerConfig, num_parameter
         f"train_gpt: {dist.get_world_size()} ranks on {device.device_type()} "
         f"({dist.get_backend()}): tp={config.tensor_model_parallel_size} "
         f"pp={config.pipeline_model_parallel_size} dp={dp} {cp} "
-        f"sequence_parallel={config.sequence_parallel} recompute={recompute}\n"
+        f"sequence_parallel={config.sequence_parallel} recompute={recompute} "
+        f"attention={config.attention_backend}\n"
         f"model: {config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_attention_heads} heads, seq {args.seq_length}, {num_parameters:,} "
         f"parameters; batch {args.global_batch_size} x {args.seq_length} tokens "

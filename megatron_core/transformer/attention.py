@@ -9,11 +9,13 @@ The same full weight therefore gives the same model for every TP size.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from megatron_core import parallel_state
+from megatron_core.attention import dot_product_attention
 from megatron_core.context_parallel import context_parallel_attention
 from megatron_core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_core.tensor_parallel.random import get_cuda_rng_tracker
@@ -27,10 +29,13 @@ __all__ = ["CoreAttention", "ParallelAttention"]
 class CoreAttention(torch.nn.Module):
     """softmax(q k^T / sqrt(d) + causal mask) v for this rank's heads; no parameters.
 
-    The attention probabilities are split across the TP group (each rank holds its heads), so
-    their dropout draws from the "model-parallel-rng" stream inside
-    ``get_cuda_rng_tracker().fork()`` (NOTE [ RNG streams ], rule 2 in tensor_parallel/random.py):
-    different heads get independent masks, the same on every data-parallel replica.
+    Runs the attention core (NOTE [ Fused attention ]): torch's fused kernels where the inputs
+    allow, with ``config.attention_backend`` ("auto", "fused" or "unfused"). The attention
+    probabilities are split across the TP group (each rank holds its heads), so their dropout
+    draws from the "model-parallel-rng" stream: the whole call runs inside
+    ``get_cuda_rng_tracker().fork()`` (NOTE [ RNG streams ], rule 2), since a fused kernel
+    draws its mask inside the call; different heads get independent masks, the same on every
+    data-parallel replica.
 
     Args:
         config: the model's TransformerConfig.
@@ -41,6 +46,7 @@ class CoreAttention(torch.nn.Module):
         self.norm_factor = math.sqrt(config.kv_channels)
         self.attention_dropout = torch.nn.Dropout(config.attention_dropout)
         self.cp_comm_type = config.cp_comm_type if config.context_parallel_size > 1 else None
+        self.backend = config.attention_backend
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Attend causally.
@@ -52,25 +58,21 @@ class CoreAttention(torch.nn.Module):
             The context [s, b, np * d].
         """
         s, b, np_, d = query.shape
-        if self.cp_comm_type is not None:  # NOTE [ Context parallelism ]: s is this rank's part
-            context = context_parallel_attention(
-                query, key, value, cp_group=parallel_state.get_context_parallel_group(),
-                cp_comm_type=self.cp_comm_type, softmax_scale=1.0 / self.norm_factor,
-            )  # fmt: skip
-            return context.reshape(s, b, np_ * d)
-
-        def heads_first(x: torch.Tensor) -> torch.Tensor:  # [s, b, np, d] -> [b * np, s, d]
-            return x.permute(1, 2, 0, 3).reshape(b * np_, s, d)
-
-        q, k, v = heads_first(query), heads_first(key), heads_first(value)
-        scores = torch.bmm(q, k.transpose(1, 2)) / self.norm_factor
-        future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu_(1)
-        scores = scores.masked_fill(future, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        with get_cuda_rng_tracker().fork():
-            probs = self.attention_dropout(probs)
-        context = torch.bmm(probs, v)  # [b * np, s, d]
-        return context.view(b, np_, s, d).permute(2, 0, 1, 3).reshape(s, b, np_ * d)
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        fork = get_cuda_rng_tracker().fork() if dropout_p else contextlib.nullcontext()
+        with fork:
+            if self.cp_comm_type is not None:  # NOTE [ Context parallelism ]: s is this rank's
+                context = context_parallel_attention(
+                    query, key, value, cp_group=parallel_state.get_context_parallel_group(),
+                    cp_comm_type=self.cp_comm_type, softmax_scale=1.0 / self.norm_factor,
+                    dropout_p=dropout_p, backend=self.backend,
+                )  # fmt: skip
+            else:
+                context = dot_product_attention(
+                    query, key, value, causal=True, softmax_scale=1.0 / self.norm_factor,
+                    dropout_p=dropout_p, backend=self.backend, where="CoreAttention",
+                )  # fmt: skip
+        return context.reshape(s, b, np_ * d)
 
 
 class ParallelAttention(torch.nn.Module):
@@ -78,7 +80,7 @@ class ParallelAttention(torch.nn.Module):
 
     With ``recompute_granularity="selective"`` and "core_attn" in ``recompute_modules`` (the
     default) the core attention (scores, softmax, dropout, weighted sum: the largest
-    activations, cheap to recompute) runs inside
+    activations when it runs unfused, cheap to recompute) runs inside
     ``tensor_parallel.checkpoint``, which replays its dropout masks in backward.
 
     Args:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_core.attention import check_backend
 from megatron_core.context_parallel import CP_COMM_TYPES
 from megatron_core.errors import MegatronCoreError
 from megatron_core.model_parallel_config import ModelParallelConfig
@@ -82,7 +83,10 @@ class TransformerConfig(ModelParallelConfig):
             the tensor-parallel group. Not with sequence parallelism.
         cp_comm_type: with context_parallel_size > 1, how the core attention reaches the other
             ranks' keys: "p2p" (ring), "all_gather" or "a2a" (NOTE [ Context parallelism ]).
-            Attention dropout must be 0 then.
+            Attention dropout must be 0 with "a2a".
+        attention_backend: "auto" (torch's fused attention kernels where the inputs allow, the
+            unfused computation otherwise, named in the log), "fused" (or an error) or
+            "unfused" (the scores materialized): NOTE [ Fused attention ].
     """
 
     num_layers: int = 0
@@ -103,6 +107,7 @@ class TransformerConfig(ModelParallelConfig):
     distribute_saved_activations: bool = False
     recompute_modules: list[str] | None = None
     cp_comm_type: str = "p2p"
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,6 +115,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_recompute()
         self._check_pipeline()
         self._check_context_parallel()
+        self.attention_backend = check_backend(self.attention_backend, "TransformerConfig")
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
@@ -153,10 +159,11 @@ class TransformerConfig(ModelParallelConfig):
                 f"TransformerConfig: cp_comm_type ({self.cp_comm_type!r}) must be one of "
                 f"{CP_COMM_TYPES}"
             )
-        if self.attention_dropout:
+        if self.attention_dropout and self.cp_comm_type == "a2a":
             raise MegatronCoreError(
                 f"TransformerConfig: attention_dropout ({self.attention_dropout}) with "
-                f"context_parallel_size ({cp}) is not supported; set it to 0"
+                f"cp_comm_type 'a2a' is not supported (NOTE [ Fused attention ], rule 4); set it "
+                "to 0 or use 'p2p' / 'all_gather'"
             )
         heads = self.num_attention_heads // self.tensor_model_parallel_size
         if self.cp_comm_type == "a2a" and heads % cp:

@@ -4,11 +4,14 @@ Every rank builds the same full Q, K, V and output gradient from one seed, takes
 the load-balanced split, runs context_parallel_attention forward and backward, and gathers the
 output and dQ / dK / dV back into sequence order; the reference is plain softmax attention in
 fp64 on the full tensors. One launch per world size runs every case (three comm types, causal
-or not, GQA or not, two sequence lengths whose chunks are 1 and 3 positions long).
+or not, GQA or not, two sequence lengths whose chunks are 1 and 3 positions long); the masked
+cases run the fused blocks and the unfused ones, each against the reference and against the
+other (NOTE [ Fused attention ], rule 3).
 
 Tolerances: fp32 results differ from the fp64 reference by fp32 rounding only; the error is
-measured as ||ours - reference|| / ||reference|| and must be <= 2e-6. bf16 inputs: the CP
-result's error must be at most twice the CP=1 (one rank, same function) bf16 error.
+measured as ||ours - reference|| / ||reference|| and must be <= 2e-6 (fused against unfused:
+1e-5, the core's bound). bf16 inputs: the CP result's error must be at most twice the CP=1
+(one rank, same function) bf16 error.
 """
 
 import math
@@ -59,7 +62,7 @@ def _padding_mask(seq):
     return (~keep).expand(B, 1, seq, seq).contiguous()
 
 
-def _case(seq, kv_heads, comm, causal, dtype, group, masked=False):
+def _case(seq, kv_heads, comm, causal, dtype, group, masked=False, backend="auto", keep=None):
     gen = torch.Generator().manual_seed(seq * 100 + kv_heads)
     q = torch.randn(seq, B, H, D, generator=gen)
     k = torch.randn(seq, B, kv_heads, D, generator=gen)
@@ -72,12 +75,15 @@ def _case(seq, kv_heads, comm, causal, dtype, group, masked=False):
     parts = [split_for_context_parallel(x, 0, group).to(dtype).requires_grad_() for x in (q, k, v)]
     rows = None if mask is None else split_for_context_parallel(mask, 2, group)
     out = context_parallel_attention(
-        *parts, cp_group=group, cp_comm_type=comm, causal=causal, attention_mask=rows
-    )
+        *parts, cp_group=group, cp_comm_type=comm, causal=causal, attention_mask=rows,
+        backend=backend,
+    )  # fmt: skip
     out.backward(split_for_context_parallel(dout, 0, group).to(dtype))
     gathered = [gather_from_context_parallel(t.detach(), 0, group)
                 for t in (out, *(p.grad for p in parts))]  # fmt: skip
     assert out.dtype == dtype and all(p.grad.dtype == dtype for p in parts)
+    if keep is not None:
+        keep[(comm, causal, masked, backend)] = gathered
     return [_error(g, r) for g, r in zip(gathered, [ref.detach(), *(x.grad for x in full)])]
 
 
@@ -93,11 +99,17 @@ def _all_cases():
                     results[(seq, kv_heads, comm, causal)] = _case(
                         seq, kv_heads, comm, causal, torch.float32, group
                     )
+    kept = {}  # the fused blocks against the unfused ones (NOTE [ Fused attention ], rule 3)
     for comm in ("p2p", "all_gather", "a2a"):  # a padding mask, with and without causal
         for causal in (True, False):
-            results[("mask", comm, causal)] = _case(
-                6 * cp, H // 2, comm, causal, torch.float32, group, masked=True
-            )
+            for backend in ("fused", "unfused"):
+                results[("mask", comm, causal, backend)] = _case(
+                    6 * cp, H // 2, comm, causal, torch.float32, group, True, backend, kept
+                )
+            fused, unfused = (kept[(comm, causal, True, b)] for b in ("fused", "unfused"))
+            results[("fused vs unfused", comm, causal)] = [
+                _error(f, u.double()) for f, u in zip(fused, unfused)
+            ]
     for comm in ("p2p", "all_gather", "a2a"):  # bf16, and the one-rank path as its yardstick
         results[("bf16", comm)] = _case(6 * cp, H // 2, comm, True, torch.bfloat16, group)
     singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # all ranks, alike
@@ -115,7 +127,9 @@ def test_every_variant_equals_unsharded_attention(world_size):
         for case, errors in results.items():
             if case == "bf16 cp1" or case[0] == "bf16":
                 continue
-            assert max(errors) <= 2e-6, (case, errors)
+            # fp32 against fp64: rounding only; fused against unfused (both fp32): 1e-5
+            bound = 1e-5 if case[0] == "fused vs unfused" else 2e-6
+            assert max(errors) <= bound, (case, errors)
         yardstick = max(results["bf16 cp1"])
         assert 0 < yardstick < 0.05
         for comm in ("p2p", "all_gather", "a2a"):

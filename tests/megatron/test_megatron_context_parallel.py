@@ -126,7 +126,10 @@ def _refused(options: dict):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"attention_dropout": 0.1}, "attention_dropout (0.1) with context_parallel_size (2)"),
+        (
+            {"attention_dropout": 0.1, "cp_comm_type": "a2a"},
+            "attention_dropout (0.1) with context_parallel_size (2) and cp_comm_type 'a2a'",
+        ),
         ({"attention_dropout": 0.0, "window_size": (4, 0)}, "window_size ((4, 0))"),
     ],
 )

@@ -84,7 +84,12 @@ def test_a_cp2_checkpoint_loads_at_cp1_and_cp4(tmp_path):
     "options, world, message",
     [
         ({"context_parallel_size": 3}, 3, r"--seq-length \(16\) must be divisible by 2 \*"),
-        ({"context_parallel_size": 2, "attention_dropout": 0.1}, 2, r"--attention-dropout"),
+        (
+            {"context_parallel_size": 2, "attention_dropout": 0.1, "cp_comm_type": "a2a"},
+            2,
+            r"--attention-dropout \(0.1\) must be 0 with --context-parallel-size \(2\) and "
+            r"--cp-comm-type a2a",
+        ),
         ({"context_parallel_size": 2}, 3, r"divisible by .* --context-parallel-size \(2\)"),
     ],
 )
