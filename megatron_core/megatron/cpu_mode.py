@@ -45,9 +45,10 @@ by ``megatron_core.megatron.install``; every name it answers is in :data:`ANSWER
 6. Groups. ``init_process_group`` and ``new_group`` asked for NCCL (``"nccl"`` or a map such as
    ``"cuda:nccl,cpu:gloo"``) make a gloo group; the NCCL ``pg_options`` and a CUDA ``device_id``
    that came with the request are dropped. A ``new_group`` whose rank list differs between
-   ranks (which NCCL's lazy connection lets pass while the group is unused, and gloo's eager one
-   would wait on forever) raises on every rank, naming each rank's list, unless every list
-   holds at most one rank (a group of one connects to nobody).
+   ranks (which NCCL's lazy connection lets pass, and gloo's eager one would wait on forever)
+   is served: every distinct list becomes a group on every rank, each rank gets its own; lists
+   that overlap without being equal raise on every rank (NOTE [ Rank lists per rank ], in
+   group_lists.py).
 7. Off. :func:`disable` puts every replaced name back and takes the mode off the stack, wherever
    it is; turning the mode on twice pushes it once. The mode warns once per process when it is
    first turned on (a ``UserWarning`` naming how to turn it off).
@@ -89,7 +90,7 @@ from torch.overrides import TorchFunctionMode
 from megatron_core import compat, device, flags
 from megatron_core.errors import MegatronCoreError
 from megatron_core.megatron._finder import PostImportFinder
-from megatron_core.parallel_state import agreement
+from megatron_core.megatron.group_lists import new_group_per_rank
 from megatron_core.tensor_parallel import random as tp_random
 
 __all__ = [
@@ -143,8 +144,9 @@ ANSWERED: dict[str, str] = {
     "torch.rand": "with a device naming CUDA, draws from the device stream (also randn, "
     "randint, randperm, normal)",
     "torch.distributed.init_process_group": "gloo where NCCL is asked for",
-    "torch.distributed.new_group": "gloo where NCCL is asked for; a rank list that differs "
-    "between ranks raises on every rank (gloo would wait forever)",
+    "torch.distributed.new_group": "gloo where NCCL is asked for; rank lists that differ "
+    "between ranks: each distinct list a group on every rank, each rank its own (overlapping "
+    "lists raise on every rank)",
     "torch.Tensor.to": "a device naming CUDA is the CPU",
     "torch.Tensor.cuda": "the tensor itself",
     "torch.Tensor.type": "a CPU tensor's type named as on CUDA (torch.cuda.FloatTensor)",
@@ -441,43 +443,6 @@ def _set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
     tp_random.set_device_rng_state(new_state)
 
 
-def _same_ranks_everywhere(arguments: dict) -> None:
-    """NOTE rule 6: refuse, on every rank, a ``new_group`` whose rank list differs between ranks.
-
-    torch asks every rank to call ``new_group`` with the same ``ranks``. NCCL connects a group
-    lazily, at its first collective, so a program that passes each rank its own list (a group
-    per data-parallel replica, built from parallel_state's ranks) runs as long as it never uses
-    the group; gloo connects at once, and such a call would wait forever. One all-gather over
-    the world (every rank is inside ``new_group`` here) compares the lists first. Lists of at
-    most one rank each pass (each member's group is itself alone: nothing to connect to; a
-    megatron-core test builds its embedding groups so on a one-stage pipeline).
-
-    Raises:
-        MegatronCoreError: the lists differ (the message names each rank's list).
-    """
-    if arguments.get("use_local_synchronization") or not dist.is_initialized():
-        return  # only the members call it then: nothing to compare across the world
-    ranks = arguments.get("ranks")
-    text = "all ranks" if not ranks else repr(sorted(int(r) for r in ranks))
-    world = dist.group.WORLD
-    table = agreement.exchange([agreement.hash_text(text)], world)
-    if bool((table == table[0]).all()):
-        return
-    lists = agreement.exchange_text(text, world)
-    if all(listed != "all ranks" and listed.count(",") == 0 for listed in lists):
-        return  # one member or none per list: no group connects to another process
-    shown = "; ".join(f"rank {rank}: {listed}" for rank, listed in enumerate(lists[:8]))
-    more = f"; ... ({len(lists)} ranks)" if len(lists) > 8 else ""
-    raise MegatronCoreError(
-        f"CPU mode: torch.distributed.new_group was called with different rank lists on "
-        f"different ranks ({shown}{more}). torch asks every rank for the same list; NCCL, which "
-        f"connects a group only when it is first used, lets such a program run, but gloo "
-        f"connects at once and the call would wait forever. Create each group on every rank "
-        f"with the same list (as parallel_state does), or pass use_local_synchronization=True "
-        f"so that only a group's members call new_group"
-    )
-
-
 def _gloo_for_nccl(original):
     """``original`` (init_process_group / new_group) with NOTE rule 6 applied."""
     signature = inspect.signature(original)
@@ -492,7 +457,7 @@ def _gloo_for_nccl(original):
         if _names_cuda(arguments.get("device_id")):
             arguments["device_id"] = None
         if original.__name__ == "new_group":
-            _same_ranks_everywhere(arguments)
+            return new_group_per_rank(original, bound)  # NOTE [ Rank lists per rank ]
         return original(*bound.args, **bound.kwargs)
 
     make_group.__name__ = original.__name__

@@ -562,32 +562,65 @@ def test_device_count_is_the_local_world_size():
 
 
 def _new_group_lists(rank_lists_by_rank):
-    """Each rank asks for its own list; returns what the CPU mode's check said (NOTE rule 6)."""
+    """Each rank asks torch's new_group for its own list through the CPU mode's serving (NOTE [
+    Rank lists per rank ]); returns, per call, the group's ranks and a sum over it, or the
+    error."""
+    import inspect
+
     import torch.distributed as dist
+
+    from megatron_core.megatron.group_lists import new_group_per_rank
 
     ranks = rank_lists_by_rank[dist.get_rank()]
     said = {}
     for name, arguments in (
         ("same", {"ranks": [0, 1]}),
-        ("local", {"ranks": ranks, "use_local_synchronization": True}),  # members only: skipped
         ("own", {"ranks": ranks}),
+        ("after", {"ranks": list(range(dist.get_world_size()))}),  # the groups still agree
     ):
         try:
-            cpu_mode._same_ranks_everywhere(arguments)
-            said[name] = "ok"
+            bound = inspect.signature(dist.new_group).bind(**arguments)
+            group = new_group_per_rank(dist.new_group, bound)
         except Exception as exc:  # the refusal, the same on every rank
             said[name] = str(exc)
+            continue
+        if group == dist.GroupMember.NON_GROUP_MEMBER:
+            said[name] = "not a member"
+            continue
+        total = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(total, group=group)
+        said[name] = (dist.get_process_group_ranks(group), total.item())
     return said
 
 
-def test_new_group_with_a_rank_list_per_rank_is_refused_on_every_rank():
-    # megatron-core 0.19's test_expert_all_gather_group passes each rank its expert-dp list:
-    # NCCL lets it pass (lazy), gloo would wait forever; the CPU mode raises on every rank.
-    for said in run_distributed(_new_group_lists, 2, [[0, 1], [1]]):
-        assert said["same"] == "ok" and said["local"] == "ok"
-        assert "different rank lists" in said["own"]
-        assert "rank 0: [0, 1]; rank 1: [1]" in said["own"]
-    # a list of one rank each connects nobody (megatron-core's embedding groups of a one-stage
-    # pipeline, built per rank): gloo does not wait, so it passes
-    for said in run_distributed(_new_group_lists, 2, [[0], [1]]):
-        assert said == {"same": "ok", "local": "ok", "own": "ok"}
+@pytest.mark.parametrize(
+    "lists",
+    [
+        [[0, 2], [1, 3], [0, 2], [1, 3]],  # megatron-core's expert-dp lists (0.19)
+        [[0, 1], [0, 1], [2, 3], [2, 3]],
+        [[0], [1], [2], [3]],  # one-stage embedding groups: one member each
+        [[0], [0], [2], [2]],  # a list that leaves its caller out: not a member, as torch says
+    ],
+)
+def test_new_group_with_a_rank_list_per_rank_is_served_on_every_rank(lists):
+    # megatron-core 0.19's test_expert_all_gather_group and the pipeline tests' embedding
+    # groups pass each rank its own list: NCCL connects lazily, gloo would wait forever; the
+    # CPU mode creates every distinct list on every rank and hands each rank its own.
+    for rank, said in enumerate(run_distributed(_new_group_lists, 4, lists)):
+        assert said["same"] == (([0, 1], 1.0) if rank < 2 else "not a member"), said
+        if rank in lists[rank]:
+            assert said["own"] == (lists[rank], float(sum(lists[rank]))), said
+        else:
+            assert said["own"] == "not a member", said
+        assert said["after"] == ([0, 1, 2, 3], 6.0), said
+
+
+@pytest.mark.parametrize("lists", [[[0, 1], [1, 2], [1, 2], [3]], [[0, 1], None, None, None]])
+def test_new_group_lists_that_overlap_are_refused_on_every_rank(lists):
+    # NOTE [ Rank lists per rank ], rule 3: a rank in two different lists (or "all ranks"
+    # beside a list) cannot be one group per call; every rank raises, nothing is created
+    for said in run_distributed(_new_group_lists, 4, lists):
+        assert "rank lists that differ between ranks and overlap" in said["own"], said
+        shown = "all ranks" if lists[1] is None else "[1, 2]"
+        assert f"rank 0: [0, 1]; rank 1: {shown}" in said["own"], said
+        assert said["after"] == ([0, 1, 2, 3], 6.0), said
