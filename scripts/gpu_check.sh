@@ -11,12 +11,15 @@
 # the machine lacks travels as wheels in .whl/ (megatron-core for the suite's megatron tests):
 # they are installed into /tmp/site first. Results go to $OUT (default ./gpu_check_out), each
 # step's log as soon as it ends, and one line per step (exit status, seconds, the result lines)
-# in $OUT/summary.log, so a run cut short still returns what ran. At most 8 files are written.
+# in $OUT/summary.log, so a run cut short still returns what ran. At most 9 files are written.
 #
 # Steps, in the default order:
 #   bench_mlp  scripts/benchmark_mlp_cuda.py: ColumnParallel -> RowParallel MLP in bf16 at hidden
 #              4096 and 8192 (TFLOP/s, share of the measured GEMM peak, allocator peak), against
 #              torch nn.Linear, with our / torch's checkpoint, checks always vs off. Runs alone.
+#   attention  scripts/check_attention_cuda.py: the SDPA kernel each attention case chose, fused
+#              against unfused (core, context-parallel blocks, dropout under recompute), and our
+#              GPT's tokens/s fused vs unfused at hidden 2048, s = 4096, bf16. Runs alone.
 #   tests      the suite in the harness's CUDA mode (MEGATRON_CORE_TEST_DEVICE=cuda): world size
 #              1 on NCCL, larger worlds share the GPU over gloo (harness rule 7); in the
 #              background, pytest-xdist when present, beside the next steps. Environment:
@@ -41,7 +44,7 @@ if [ "${1:-}" = "--dry-run" ]; then
   DRY=1
   shift
 fi
-ALL_STEPS="bench_mlp tests checks train drift cp plan"
+ALL_STEPS="bench_mlp attention tests checks train drift cp plan"
 STEPS="${*:-$ALL_STEPS}"
 for s in $STEPS; do
   case " $ALL_STEPS " in *" $s "*) ;; *) echo "gpu_check: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2 ;; esac
@@ -53,7 +56,8 @@ TESTS="${GPU_CHECK_TESTS:-tests}"  # test files or folders for the tests step
 
 SCRIPTS="scripts/benchmark_mlp_cuda.py scripts/check_tensor_parallel_cuda.py scripts/check_pipeline_cuda.py
 scripts/check_parallel_state_nccl.py scripts/train_gpt.py scripts/precision_drift.py
-scripts/check_context_parallel_cuda.py scripts/check_recompute_plan_cuda.py"
+scripts/check_context_parallel_cuda.py scripts/check_recompute_plan_cuda.py
+scripts/check_attention_cuda.py"
 if [ "$DRY" = 1 ]; then
   for f in $SCRIPTS; do
     [ -f "$f" ] || { echo "gpu_check --dry-run: $f is missing" >&2; exit 1; }
@@ -100,6 +104,12 @@ step_bench_mlp() {
   run_logged "$log" 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
     scripts/benchmark_mlp_cuda.py --hidden 4096,8192 --tokens 8192 --iters 20
   note bench_mlp $? $start "$log" "^\||^hidden|MISMATCH|Error"
+}
+
+step_attention() {
+  local log="$OUT/attention.log" start=$SECONDS
+  run_logged "$log" 240 "$PY" scripts/check_attention_cuda.py
+  note attention $? $start "$log" "^attention|^our GPT|^\||FAIL|Error"
 }
 
 TESTS_PID=""

@@ -1,7 +1,8 @@
 """scripts/gpu_check.sh and its benchmark still start on a machine without a GPU: the
 script's --dry-run finds and compiles every step's script, and the MLP benchmark's checks (each
-mode against ours, ours against torch's nn.Linear) and the recompute planner's check (predicted
-against measured peaks) pass on one CPU rank at tiny sizes."""
+mode against ours, ours against torch's nn.Linear), the recompute planner's check (predicted
+against measured peaks) and the attention check (fused against unfused) pass on one CPU rank
+at tiny sizes."""
 
 import os
 import subprocess
@@ -19,7 +20,7 @@ def test_dry_run_finds_every_step_and_refuses_an_unknown_one():
         ["bash", script, "--dry-run"], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert "steps bench_mlp tests checks train drift cp plan" in done.stdout
+    assert "steps bench_mlp attention tests checks train drift cp plan" in done.stdout
     bad = subprocess.run(
         ["bash", script, "--dry-run", "nosuchstep"], env=env, capture_output=True, text=True
     )
@@ -48,3 +49,15 @@ def _planner_check_on_cpu():
 
 def test_planner_check_runs_and_passes_on_cpu():
     assert run_distributed(_planner_check_on_cpu, 1, timeout=300) == [0]
+
+
+def _attention_check_on_cpu():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import check_attention_cuda
+
+    argv = ["--device", "cpu", "--seq", "32", "--hidden", "64", "--layers", "1", "--iters", "1"]
+    return check_attention_cuda.main(argv)
+
+
+def test_attention_check_runs_and_passes_on_cpu():
+    assert run_distributed(_attention_check_on_cpu, 1, timeout=300) == [0]

@@ -186,6 +186,13 @@ def test_tp1_tp2_sp_and_dp_give_the_same_losses():
             ),
         ),
         "tp1 x dp2": (2, _argv(tensor_model_parallel_size=1, micro_batch_size=2, **common)),
+        "tp2, unfused attention": (  # the reference runs the fused core (no attention dropout)
+            2,
+            _argv(
+                tensor_model_parallel_size=2, micro_batch_size=4, attention_backend="unfused",
+                **common,
+            ),
+        ),  # fmt: skip
         "tp2 x dp2 + sp": (
             4,
             _argv(
