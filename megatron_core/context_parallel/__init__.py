@@ -22,20 +22,28 @@
    - ``a2a`` (Ulysses): one all-to-all turns [s/cp, all heads] into [s, heads/cp] for Q, K and
      V, attention runs on whole sequences of a head subset, and one all-to-all turns the output
      back; heads (and K/V heads) must divide by cp.
-3. Numerics and memory. Scores, softmax, the log-sum-exp merges and dK / dV sums are fp32 also
-   under autocast (inputs are cast up, outputs down to the query's dtype). Backward never keeps
-   a score matrix: each saves its inputs (this rank's Q, K, V), the fp32 output and the
-   log-sum-exp (b x h x s/cp), and recomputes each block's probabilities from them; the softmax
+3. Numerics and memory. Each block runs on the attention core's block ops (NOTE [ Fused
+   attention ], rule 3): torch's fused forward op that returns the block's log-sum-exp (the CPU
+   flash kernel, CUDA's memory-efficient kernel), and its backward op given the row's merged
+   output and log-sum-exp; where they cannot run (dropout, another device or dtype,
+   ``backend="unfused"``) the block is computed unfused in fp32. The log-sum-exp merges and the
+   dK / dV sums are fp32 also under autocast (fp64 for fp64 inputs); outputs are cast to the
+   query's dtype. Backward never keeps a score matrix: each saves its inputs (this rank's Q, K,
+   V), the output and the log-sum-exp (b x h x s/cp), and recomputes each block; the softmax
    gradient of a block needs only the row's log-sum-exp and rowsum(dO * O). So a rank's saved
    bytes are O(s/cp), not O(s^2): per rank Q, K, V and the output are s/cp x b x h x d each.
 4. Masks: causal (by global positions), and/or a boolean ``attention_mask`` of megatron-core's
    form [b or 1, 1, s/cp, s] (this rank's query rows, every key in sequence order: a padding
    mask, an arbitrary one); each block takes its columns by the keys' global positions (a2a
    first all-gathers the rows). The causal ring skips the half of an off-diagonal block that
-   the causal mask hides (rule 2's chunks make it exactly half).
-5. Not supported (a clear error before any collective): other ``cp_comm_type`` values
+   the causal mask hides (rule 2's chunks make it exactly half); all_gather splits each of the
+   rank's two query chunks into the chunks before it (seen whole) and itself (causal), so no
+   block needs a position mask; a2a sorts the gathered sequence into order and runs the core.
+5. Dropout (NOTE [ Fused attention ], rule 4): p2p and all_gather draw one seed per call from
+   the current generator and each block's mask from it, again in backward. a2a refuses it.
+6. Not supported (a clear error before any collective): other ``cp_comm_type`` values
    (megatron-core's hierarchical ``a2a+p2p``), packed (THD) sequences and 0.19's hybrid CP,
-   attention dropout, sliding windows, and a local length that is odd.
+   attention dropout with a2a, sliding windows, and a local length that is odd.
 """
 
 from megatron_core.context_parallel.attention import CP_COMM_TYPES, context_parallel_attention
