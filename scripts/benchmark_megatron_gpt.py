@@ -4,7 +4,11 @@ mode and checks off) against megatron-core's own modules, CPU time and wall time
 Each launch starts ``--tp`` gloo ranks (fresh interpreters, one thread each) and trains
 megatron-core's GPTModel (local spec, megatron-core's DistributedDataParallel, its
 ``get_forward_backward_func`` and ``finalize_model_grads``, plain SGD on ``main_grad``) for
-``--rounds`` rounds of ``--steps`` iterations, as a user's benchmark would:
+``--rounds`` rounds of ``--steps`` iterations, as a user's benchmark would. ``--loop schedule``
+(the default) runs each step through ``get_forward_backward_func`` with ``finalize_model_grads``
+and an SGD update (every step marks an iteration); ``--loop forward-backward`` runs only each
+microbatch's forward and ``loss.backward()``, as a micro-benchmark of a model would: nothing
+marks an iteration there but the backward passes themselves (NOTE [ Check window ]).
 
 * "ours": ``megatron_core.megatron.install()`` first. Two modes, alternating round by round
   (the order swapped every round): the default consistency mode (its window starts with the
@@ -108,11 +112,7 @@ def _rank(rank: int, impl: str, args, port: int, queue) -> None:
 
         return output, loss_func
 
-    def step() -> None:
-        data = [
-            torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
-            for _ in range(args.microbatches)
-        ]
+    def marked_step(data) -> None:
         model.zero_grad_buffer()
         forward_backward(
             forward_step_func=forward_step,
@@ -125,6 +125,19 @@ def _rank(rank: int, impl: str, args, port: int, queue) -> None:
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(param.main_grad, alpha=-1e-3)
+
+    def unmarked_step(data) -> None:
+        model.zero_grad_buffer()
+        for tokens in data:
+            output, loss_func = forward_step(iter([tokens]), model)
+            loss_func(output)[0].backward()
+
+    def step() -> None:
+        data = [
+            torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
+            for _ in range(args.microbatches)
+        ]
+        (marked_step if args.loop == "schedule" else unmarked_step)(data)
 
     modes = ["default", "off"] if impl == "ours" else ["own"]
     times = {m: [] for m in modes}
@@ -165,16 +178,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--launches", type=int, default=1, help="ours/own launch pairs")
     parser.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
+    parser.add_argument("--loop", choices=["schedule", "forward-backward"], default="schedule")
     args = parser.parse_args()
     tempfile.tempdir = tempfile.mkdtemp()
     rounds = {"default": [], "off": [], "own": []}
-    paired = []
+    paired, later, against_own = [], [], []  # per-round CPU ratios
+    rest = {"default": 0.0, "off": 0.0, "own": 0.0}  # CPU s after each launch's first round
     for _ in range(args.launches):
         ours = run_ranks(_rank, args.tp, "ours", args)
         own = run_ranks(_rank, args.tp, "own", args)
         paired += [d[0] / o[0] for d, o in zip(ours["default"], ours["off"])]
+        later += paired[len(paired) - args.rounds + 1 :]
+        against_own += [d[0] / o[0] for d, o in zip(ours["default"][1:], own["own"][1:])]
         for mode, values in [*ours.items(), *own.items()]:
             rounds[mode] += values
+            rest[mode] += sum(c for c, _ in values[1:])
     print(
         f"megatron-core GPTModel, TP={args.tp}, {args.layers} layers, hidden {args.hidden}, "
         f"seq {args.seq}, {args.microbatches} x {args.micro_batch} sequences per step, "
@@ -199,6 +217,13 @@ def main() -> None:
         f"total CPU: {total['default'] / total['own']:.4f}"
     )
     print(f"ours off / own modules, median CPU: {med['off'] / med['own']:.4f}")
+    if later:  # the first round of each launch left out: the window's steps are there
+        print(
+            f"after the first round: default / off {statistics.median(later):.4f} (median of "
+            f"paired rounds), {rest['default'] / rest['off']:.4f} (total CPU); default / own "
+            f"{statistics.median(against_own):.4f} (median of rounds paired by index), "
+            f"{rest['default'] / rest['own']:.4f} (total CPU)"
+        )
 
 
 if __name__ == "__main__":
