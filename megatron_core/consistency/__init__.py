@@ -1,10 +1,12 @@
 """When ranks disagree: agree first, then act, so no rank hangs, aborts or computes garbage.
 
 The face of the consistency checks. switch.py holds the switch (off, the default window of the
-first collectives of each group, always: check mode) and NOTE [ Check window ]; checks.py the
-primitives (:func:`agree`, :func:`agreed_errors`, :func:`named_failures`) and NOTE [ Agree
-before acting ]; text.py the readable messages (group names, call sites, each rank's values)
-that every rank of a disagreeing group raises alike. The peer deadline (a rank that never
+first iterations and the per-iteration digest after it, always: check mode) and NOTE [ Check
+window ]; marks.py the iteration marks and where the digest is compared; digest.py the records
+and their comparison; checks.py the primitives (:func:`agree`, :func:`check_collective`,
+:func:`agreed_errors`) and NOTE [ Agree before acting ]; text.py the readable messages (group
+names, call sites, each rank's values) that every rank of a disagreeing group raises alike, and
+:func:`named_failures`. The peer deadline (a rank that never
 arrives is named instead of waited for: NOTE [ Peer deadline ]) lives in
 parallel_state/deadline.py, below the agreement it guards; its settings are re-exported here.
 """
@@ -21,7 +23,9 @@ from megatron_core.consistency.checks import (
     collective_failed,
     describe_group,
     named_failures,
+    should_check,
 )
+from megatron_core.consistency.marks import compare_now, iteration, note_iteration
 from megatron_core.consistency.switch import (
     CHECK_ENV,
     DEFAULT_ITERATIONS,
@@ -33,14 +37,11 @@ from megatron_core.consistency.switch import (
     checked_count,
     close_window,
     group_window_done,
-    iteration,
     iterations_seen,
     mode,
-    note_iteration,
     set_mode,
     set_window,
     set_window_iterations,
-    should_check,
     window_iterations,
     window_size,
     windows_done,
@@ -68,18 +69,20 @@ __all__ = [
     "set_window",
     "window_iterations",
     "set_window_iterations",
-    "iteration",
-    "note_iteration",
     "iterations_seen",
-    "should_check",
     "checked_count",
     "windows_done",
     "group_window_done",
     "close_window",
+    # marks.py
+    "iteration",
+    "note_iteration",
+    "compare_now",
     # checks.py
     "RankDisagreementError",
     "CollectiveError",
     "agree",
+    "should_check",
     "check_collective",
     "check_ids",
     "agreed_errors",

@@ -58,14 +58,19 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_core.consistency import digest, marks, switch
 from megatron_core.consistency import text as _text
 from megatron_core.consistency.switch import (
+    CHECK,
+    FOLD,
+    HEAD,
+    MARK_FIRST,
+    SKIP,
     CheckMode,
     close_window,
     describe_settings,
     group_window_done,
     mode,
-    should_check,
 )
 from megatron_core.errors import CollectiveError, MegatronCoreError, RankDisagreementError
 from megatron_core.parallel_state.agreement import (
@@ -73,15 +78,17 @@ from megatron_core.parallel_state.agreement import (
 )
 from megatron_core.parallel_state.agreement import exchange, exchange_text
 from megatron_core.parallel_state.agreement import hash_text as _hash_text
-from megatron_core.parallel_state.deadline import PeerDeadlineError
 from megatron_core.parallel_state.handed import all_reduce_in_place
 
 describe_group = _text.describe_group  # public: "the tensor-model-parallel group (...)"
+collective_failed = _text.collective_failed  # public: torch's failure as a CollectiveError
+named_failures = _text.named_failures  # public: ``with named_failures(op, group):``
 
 __all__ = [
     "RankDisagreementError",
     "CollectiveError",
     "agree",
+    "should_check",
     "check_collective",
     "check_ids",
     "agreed_errors",
@@ -180,6 +187,24 @@ def agree(
     raise RankDisagreementError(_text.message(op, group, per_rank)) from error
 
 
+def _decide(group: dist.ProcessGroup | None) -> int:
+    """switch.decide, a due backward mark made first (NOTE [ Check window ], rule 1)."""
+    decision = switch.decide(group)
+    if decision == MARK_FIRST:
+        marks.backward_mark()
+        decision = switch.decide(group)
+    return decision
+
+
+def should_check(group: dist.ProcessGroup | None) -> bool:
+    """Whether the collective about to run on ``group`` (None: WORLD) is agreed first: always
+    in check mode, never when off, and in ``WINDOW`` mode while the group's window is open or
+    for the group's first collective of an iteration after it (NOTE [ Check window ]). Never
+    for a one-rank group. It decides only: :func:`check_collective` also records a collective
+    after the window in the digest."""
+    return _decide(group) in (CHECK, HEAD)
+
+
 def check_collective(
     op: str,
     group: dist.ProcessGroup,
@@ -191,10 +216,17 @@ def check_collective(
     **args,
 ) -> None:
     """:func:`agree` on ``op``, the tensor's shape / dtype, ``args`` and ``content`` across
-    ``group`` when the mode says so (``should_check``: always in check mode, within the group's
-    window by default, NOTE [ Check window ] in switch.py); otherwise return at once (no checksum
-    is computed). Called at the top of each collective of the package."""
-    if should_check(group):
+    ``group`` when the mode says so (always in check mode, within the group's window by
+    default); after the window, record them in the group's digest (and agree the group's first
+    collective of each iteration): NOTE [ Check window ] in switch.py, rules 5 and 6. Off, or
+    on a one-rank group: return at once (no checksum is computed). Called at the top of each
+    collective of the package."""
+    decision = _decide(group)
+    if decision == SKIP:
+        return
+    if decision != CHECK:
+        digest.fold(group, op, tensor, shape, dtype, args, content)
+    if decision != FOLD:
         agree(op, group, tensor, shape=shape, dtype=dtype, content=content, **args)
 
 
@@ -212,9 +244,14 @@ def check_ids(op: str, group: dist.ProcessGroup, ids: torch.Tensor, limit: int) 
     """Token ``ids`` must lie in ``[0, limit)``, and (when agreed: check mode, or the group's
     window) be equal on every rank of ``group``, since a vocab-parallel embedding sums every
     rank's part for the same ids. Agreed: every rank raises a RankDisagreementError naming the
-    values. After the window: a local range check (one min/max and one device sync; the ids are
-    the same on every rank, so every rank raises alike). Mode OFF: nothing (zero vectors)."""
-    if should_check(group):
+    values. After the window: a local range check (one min/max and one device sync; the ids
+    should be the same on every rank, so every rank raises alike) for good, and the ids' checksum
+    goes into the digest (NOTE [ Check window ], rules 5 and 7). Mode OFF: nothing (zero
+    vectors, megatron-core's behaviour)."""
+    decision = _decide(group)
+    if decision in (FOLD, HEAD):
+        digest.fold(group, op, ids, None, None, {"limit": limit}, ids)
+    if decision in (CHECK, HEAD):
         agree(op, group, ids, error=_ids_outside(op, ids, limit), content=ids, limit=limit)
     elif mode() is not CheckMode.OFF:
         error = _ids_outside(op, ids, limit)
@@ -223,32 +260,20 @@ def check_ids(op: str, group: dist.ProcessGroup, ids: torch.Tensor, limit: int) 
 
 
 @contextlib.contextmanager
-def agreed_errors(op: str, group: dist.ProcessGroup) -> Iterator[None]:
+def agreed_errors(
+    op: str, group: dist.ProcessGroup, tensor: torch.Tensor | None = None, **args
+) -> Iterator[None]:
     """Run local checks in the block; an exception raised there on any rank is raised, as one
     RankDisagreementError naming the failing rank(s) and their messages, on every rank of
-    ``group`` (NOTE [ Agree before acting ], rule 4). Costs one :func:`agree` exchange."""
+    ``group`` (NOTE [ Agree before acting ], rule 4). Costs one :func:`agree` exchange, which
+    also compares ``tensor``'s shape and dtype and ``args`` when given (free: the exchange runs
+    anyway)."""
     error = None
     try:
         yield
     except Exception as exc:  # shared with the peers, then re-raised (chained) below
         error = exc
-    agree(op, group, error=error)
-
-
-def collective_failed(op: str, group: dist.ProcessGroup | None, exc: BaseException):
-    """The CollectiveError to raise (``from exc``) when torch.distributed failed inside ``op``:
-    names the op and the group and keeps torch's message (timeout, dead peer, mismatch)."""
-    text = str(exc).strip()
-    hint = ""
-    if "Connection closed by peer" in text or "Connection reset" in text:
-        hint = " (a peer process of the group died or closed its connection)"
-    elif isinstance(exc, PeerDeadlineError):
-        hint = " (a peer did not enter the collective within the peer deadline)"
-    elif "Timed out" in text or "timeout" in text.lower():
-        hint = " (a peer did not enter the collective within the group timeout)"
-    elif "Detected mismatch between collectives" in text:
-        hint = " (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL check found the ranks in different calls)"
-    return CollectiveError(f"{op} on {_text.describe_group(group)} failed{hint}: {text}")
+    agree(op, group, tensor, error=error, **args)
 
 
 def agreed_splits(
@@ -296,25 +321,6 @@ def agreed_splits(
         f"(input_split_sizes of every rank: {sent.tolist()}, output_split_sizes: "
         f"{expected.tolist()}): {found}"
     )
-
-
-class named_failures:  # noqa: N801 (used like a function: ``with named_failures(op, group):``)
-    """Context manager around a raw torch.distributed call: a RuntimeError from torch (timeout,
-    dead peer, torch's own mismatch check) leaves as a CollectiveError naming ``op`` and
-    ``group`` (see :func:`collective_failed`). A plain class: entering costs well under 1 us."""
-
-    __slots__ = ("op", "group")
-
-    def __init__(self, op: str, group: dist.ProcessGroup | None):
-        self.op, self.group = op, group
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, traceback) -> bool:
-        if isinstance(exc, RuntimeError) and not isinstance(exc, MegatronCoreError):
-            raise collective_failed(self.op, self.group, exc) from exc
-        return False
 
 
 def checked_all_reduce(op: str, tensor: torch.Tensor, group=None, reduce_op=None) -> None:

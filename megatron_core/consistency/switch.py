@@ -1,51 +1,82 @@
-"""The switch of the consistency checks: which collectives are agreed before they run.
+"""The switch of the consistency checks: which collectives are agreed, recorded or left alone.
 
 Three modes (:class:`CheckMode`); NOTE [ Check window ] says how the default one stays safe.
 
 * ``WINDOW``, the default: the collectives of the first training iterations are agreed (shapes,
-  dtypes, arguments, contents where they must be equal), then none. An iteration is what the
-  package sees of one: a pipeline schedule's ``forward_backward_func`` call, or, for a loop
-  without one, a ``finalize_model_grads`` call. Two iterations by default
-  (:func:`window_iterations`, ``MEGATRON_CORE_CHECK_ITERATIONS``), where disagreements start: a
-  batch cut differently, a vocabulary split computed locally, a shape off by one. Before any
-  iteration is seen, a count of collectives per group stands in (:func:`window_size`, default
-  4096, ``MEGATRON_CORE_CHECK_WINDOW``).
+  dtypes, arguments, contents where they must be equal); after them each collective is recorded
+  in a per-iteration digest that the ranks compare once per iteration and group, and the first
+  collective of each group in an iteration is still agreed. Two iterations by default
+  (:func:`window_iterations`, ``MEGATRON_CORE_CHECK_ITERATIONS``); before any iteration is seen,
+  a count of collectives per group stands in (:func:`window_size`, default 4096,
+  ``MEGATRON_CORE_CHECK_WINDOW``).
 * ``ALWAYS`` (check mode): every collective is agreed. ``MEGATRON_CORE_CHECK_CONSISTENCY=1``,
   :func:`set_mode` / :func:`check_mode`, or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
-* ``OFF``: nothing is agreed (megatron-core's behaviour: a disagreement hangs, aborts in gloo or
-  gives wrong numbers). ``MEGATRON_CORE_CHECK_CONSISTENCY=0`` or ``set_mode("off")``.
+* ``OFF``: nothing is agreed or recorded (megatron-core's behaviour: a disagreement hangs,
+  aborts in gloo or gives wrong numbers). ``MEGATRON_CORE_CHECK_CONSISTENCY=0`` or
+  ``set_mode("off")``.
+
+This module holds the settings and the window's state, and decides for each collective
+(:func:`decide`); marks.py marks the iterations, digest.py keeps and compares the records.
 
 # NOTE [ Check window ]
-1. Iterations. :func:`iteration` (a context manager) marks one: the schedules wrap each
-   ``forward_backward_func`` call in it (``kind="eval"`` when ``forward_only``), and so does the
-   main job's step. Where no such block is seen, a loop's own once-a-step calls mark them:
-   ``finalize_model_grads``, else a torch optimizer's ``step`` (a global step hook); a kind of
-   mark counts only while no stronger one has been seen (block > finalize > optimizer step), and
-   a mark inside a block counts nothing. Training iterations 1..I are agreed whole -- their
-   forward, backward, gradient reductions and the optimizer's collectives after the schedule
-   returns -- and the window closes when iteration I + 1 begins.
+1. Iterations. An iteration begins at a mark (marks.py). Strongest first: an
+   :func:`~megatron_core.consistency.iteration` block (the schedules wrap each
+   ``forward_backward_func`` call, ``kind="eval"`` when ``forward_only``; the main job its
+   step), ``finalize_model_grads``, a torch optimizer's ``step`` (a global pre-step hook), and,
+   in a loop with none of these, a backward pass: the first package collective outside any
+   backward after one inside a backward begins the next iteration (there, each forward and
+   backward is an iteration). A kind of mark counts only while no stronger one has been seen;
+   the first mark of a stronger kind starts the count again and reopens every group (every
+   rank sees it at the same point), and a mark inside a block counts nothing. Training
+   iterations 1..I are agreed whole -- forward, backward, gradient reductions, the optimizer's
+   collectives -- and the window closes when iteration I + 1 begins.
 2. Closing is decided in an agreement, never alone: a rank whose window is over says so in the
    next check on each group (a slot of the exchanged table, not compared), and the group closes
-   after that check on every member at once (NOTE [ Agree before acting ], rule 2). So no member
-   is ever in a check while another is in the collective it guards, even where the ranks
-   counted iterations differently, and the first collective that differs between the ranks is,
-   inside the window, caught by its check.
-3. What stays open after the window: a group whose first check comes after the window closed
-   (a group created later) is agreed until the next iteration begins; the first evaluation
-   iteration (``kind="eval"``) after the window reopens every group for that iteration. After
-   that, only local checks that need no peer run (token ids inside the vocabulary:
-   :func:`~megatron_core.consistency.check_ids`); what is not covered is a disagreement that
-   first appears in a later iteration (a data-dependent shape at iteration 1000): check mode
-   finds those.
-4. Fallback before any iteration is seen (a program that marks none): one counter per process
-   group, keyed by the group's name (the same on every member), counts the checks made on it; a
-   member whose count reached ``N`` = :func:`window_size`, or that has made ``N`` checks in all
-   groups together (a group with rare collectives would otherwise stay open for ``N``
-   iterations), says the window is over in its next check on the group (rule 2).
-5. Every rank must run the same mode, window size and iteration count; each agreement compares
-   them (a difference raises at ``initialize_model_parallel``). Setting any of them (every rank
-   alike) restarts every window and the iteration count.
-6. Outside the window nothing is exchanged: the cost is a dictionary lookup per collective.
+   after that check on every member at once (NOTE [ Agree before acting ], rule 2). No member
+   is ever in a check while another is in the collective it guards, and the first collective
+   that differs between the ranks is, inside the window, caught by its check.
+3. What the window reopens: a group whose first check comes after the window closed (a group
+   created later) is agreed until the next iteration begins; the first evaluation iteration
+   (``kind="eval"``) after the window reopens every group for that iteration.
+4. Fallback before any iteration is seen (a program that marks none and runs no backward
+   through a package collective): one counter per process group, keyed by the group's name
+   (the same on every member), counts the checks made on it; a member whose count reached
+   ``N`` = :func:`window_size`, or that has made ``N`` checks in all groups together, says the
+   window is over in its next check on the group (rule 2). ``N = 0`` closes every group at its
+   first collective.
+5. After the window, the digest (digest.py): every collective the package issues on a closed
+   group appends its record -- op, shape, dtype, the arguments and a device-side checksum of
+   the contents the window would have agreed -- to its group's list, locally. Once per
+   iteration every rank compares, group by group in the order of their names (the same on
+   every rank: no two ranks wait on each other's group), one fixed-size exchange of the lists'
+   hash: at the end of an iteration block, or at the first optimizer step inside it; at
+   ``finalize_model_grads``, an optimizer step or a backward mark where that is the strongest
+   mark (rule 1). The exchange runs where the window's does (a device-only group's on its gloo
+   shadow: NOTE [ Host-side agreement ]). Where the hashes differ, the records travel and every
+   rank of the group raises RankDisagreementError naming the first collective that differs,
+   with what it was in the iteration before, before the optimizer step applies anything.
+6. Heads: the first collective on each closed group after an iteration begins is agreed as in
+   the window. A disagreement that starts with the data (a batch or sequence length that
+   differs on one rank) reaches every group first there, so it raises instead of aborting gloo.
+7. What is guaranteed. In the window: every disagreement of a package collective raises on
+   every rank of its group before the collective. After it: a disagreement in an iteration's
+   first collective on a group raises before that collective; any other raises at the
+   iteration's digest, unless its collective itself breaks first -- sizes that differ in an
+   all-reduce, all-gather or reduce-scatter abort gloo's process (NCCL hangs or reads the
+   wrong bytes), a collective one rank skips leaves its peers waiting (named by the peer
+   deadline) -- which the package cannot prevent without an exchange per collective (check
+   mode). Local checks that need no peer run for good, in the window and after (ids outside
+   the vocabulary, an input whose dtype is not the layer's, a sequence its split cannot
+   divide); a rank that fails one alone leaves its peers in the next collective until the peer
+   deadline names it. Never checked: a program that marks no iteration after the fallback
+   closed (no digest is compared), raw torch.distributed calls, and the values of tensors the
+   window does not checksum either (activations, gradients).
+8. Every rank must run the same mode, window size and iteration count; each agreement and each
+   digest compares them (a difference raises at ``initialize_model_parallel``). Setting any of
+   them (every rank alike) restarts every window, the digest and the iteration count.
+9. Cost after the window: per collective, a dictionary lookup and a tuple appended (a checksum
+   kernel for the few collectives with contents); per iteration and group, one 128-byte
+   all-gather for the head and one for the digest.
 """
 
 from __future__ import annotations
@@ -57,9 +88,8 @@ import os
 from collections.abc import Iterator
 
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from megatron_core import flags
+from megatron_core import compat, flags
 from megatron_core.errors import MegatronCoreError
 from megatron_core.parallel_state.agreement import add_agreed_setting
 
@@ -77,10 +107,7 @@ __all__ = [
     "set_window",
     "window_iterations",
     "set_window_iterations",
-    "iteration",
-    "note_iteration",
     "iterations_seen",
-    "should_check",
     "checked_count",
     "windows_done",
     "group_window_done",
@@ -93,6 +120,13 @@ WINDOW_ENV = "MEGATRON_CORE_CHECK_WINDOW"
 ITERATIONS_ENV = "MEGATRON_CORE_CHECK_ITERATIONS"
 DEFAULT_WINDOW = 4096
 DEFAULT_ITERATIONS = 2
+
+# What decide() answers for one collective.
+SKIP = 0  # nothing: mode off, a one-rank group
+CHECK = 1  # agree first (in the window, or check mode)
+FOLD = 2  # after the window: record it in the digest (rule 5)
+HEAD = 3  # after the window, the group's first in the iteration: record and agree (rule 6)
+MARK_FIRST = 4  # a backward mark is due (rule 1): mark (and compare), then decide again
 
 
 class CheckMode(enum.Enum):
@@ -115,7 +149,7 @@ class _Settings:
 
 
 @dataclasses.dataclass
-class _Window:
+class Window:
     """Where the windows stand (NOTE [ Check window ]); reset by every setting change."""
 
     checks: int = 0  # checks made in all groups together (rule 4)
@@ -124,15 +158,22 @@ class _Window:
     eval_seen: bool = False  # an evaluation iteration has begun since the window closed
     reopened_at: int = -1  # ``marks`` when the first evaluation iteration reopened the groups
     depth: int = 0  # nesting of iteration() blocks: only the outermost counts
-    strongest: int = -1  # the strongest kind of mark seen (rule 1: _SOURCES)
+    strongest: int = -1  # the strongest kind of mark seen (rule 1: SOURCES)
+    in_backward: bool = False  # a collective ran inside a backward since the last outside one
+    compared: bool = False  # the digest was compared inside the current outermost block
     counts: dict[str, int] = dataclasses.field(default_factory=dict)  # group name -> checks
     first_mark: dict[str, int] = dataclasses.field(default_factory=dict)  # group -> marks then
-    closed: set[str] = dataclasses.field(default_factory=set)  # groups closed in an agreement
+    # groups closed in an agreement (rule 2), and those the next digest compares (rule 5: the
+    # closed ones and those an evaluation reopened since the last digest), by name
+    closed: dict[str, dist.ProcessGroup] = dataclasses.field(default_factory=dict)
+    digested: dict[str, dist.ProcessGroup] = dataclasses.field(default_factory=dict)
+    heads: set[str] = dataclasses.field(default_factory=set)  # rule 6: next one is agreed
 
 
-_SOURCES = {"optimizer": 0, "finalize": 1, "block": 2}  # rule 1: weakest to strongest
+SOURCES = {"backward": 0, "optimizer": 1, "finalize": 2, "block": 3}  # rule 1: weakest first
 _SETTINGS = _Settings()
-_WINDOW = _Window()
+_WINDOW = Window()
+_RESTART_HOOKS: list = []  # called on every restart (the digest drops its records)
 
 
 def _from_environment() -> CheckMode:
@@ -157,7 +198,7 @@ def mode() -> CheckMode:
 
 def set_mode(new: CheckMode | str | None, *, restart_windows: bool = True) -> CheckMode | None:
     """Force ``new`` in this process (every rank must do the same), or None to follow the
-    environment again; restarts every group's window (NOTE [ Check window ], rule 5) unless
+    environment again; restarts every group's window (NOTE [ Check window ], rule 8) unless
     ``restart_windows`` is False (e.g. to compare modes within one run). Returns the previous
     explicit setting."""
     if new is not None and not isinstance(new, CheckMode):
@@ -178,12 +219,14 @@ def set_mode(new: CheckMode | str | None, *, restart_windows: bool = True) -> Ch
 def _restart() -> None:
     global _WINDOW
     depth = _WINDOW.depth  # a restart inside an iteration() block keeps the block's nesting
-    _WINDOW = _Window(depth=depth)
+    _WINDOW = Window(depth=depth)
+    for hook in _RESTART_HOOKS:
+        hook()
 
 
-def _optimizer_stepped(optimizer, args, kwargs) -> None:
-    """torch's global optimizer step hook: a once-a-step mark of the weakest kind (rule 1)."""
-    note_iteration("optimizer")
+def on_restart(hook) -> None:
+    """Call ``hook()`` whenever the windows restart (digest.py registers its reset)."""
+    _RESTART_HOOKS.append(hook)
 
 
 @contextlib.contextmanager
@@ -242,38 +285,29 @@ def set_window_iterations(count: int | None) -> None:
     _restart()
 
 
-@contextlib.contextmanager
-def iteration(kind: str = "train") -> Iterator[None]:
-    """Mark the block as one iteration of ``kind`` ("train" or "eval") for the check window
-    (NOTE [ Check window ], rule 1); a block inside another counts nothing. Every rank must mark
-    the same iterations. No collective runs."""
-    if kind not in ("train", "eval"):
-        raise MegatronCoreError(f"iteration: kind ({kind!r}) must be 'train' or 'eval'")
-    if _WINDOW.depth == 0:
-        _mark("block", kind)
-    _WINDOW.depth += 1
-    try:
-        yield
-    finally:
-        _WINDOW.depth -= 1  # the current state: a restart inside the block keeps the depth
+def window() -> Window:
+    """The window's state now (a restart replaces it: read it again after one)."""
+    return _WINDOW
 
 
-def note_iteration(source: str = "finalize") -> None:
-    """A training iteration seen by a function that runs once a step (``"finalize"``:
-    ``finalize_model_grads``; ``"optimizer"``: a torch optimizer's step): counts outside
-    :func:`iteration` blocks, while no stronger kind of mark has been seen (rule 1)."""
-    if source not in ("finalize", "optimizer"):
-        raise MegatronCoreError(f"note_iteration: source ({source!r}) is not finalize/optimizer")
-    if _WINDOW.depth == 0:
-        _mark(source, "train")
+def counts(source: str) -> bool:
+    """Whether a mark of ``source`` counts now: no stronger kind of mark was seen (rule 1)."""
+    return SOURCES[source] >= _WINDOW.strongest
 
 
-def _mark(source: str, kind: str) -> None:
+def mark(source: str, kind: str) -> None:
+    """Begin an iteration of ``kind`` marked by ``source`` (the caller checked :func:`counts`):
+    count it, reopen every group at the first evaluation after the window (rule 3), and make
+    the next collective of every closed group a head (rule 6). The first mark of a stronger
+    kind than those seen so far starts the count again and reopens every group (rule 1). No
+    collective runs."""
+    global _WINDOW
     state = _WINDOW
-    strength = _SOURCES[source]
-    if strength < state.strongest:
-        return
-    state.strongest = strength
+    if 0 <= state.strongest < SOURCES[source]:  # rule 1: a stronger kind counts from here on
+        state = _WINDOW = Window(
+            depth=state.depth, counts=state.counts, checks=state.checks, digested=state.digested
+        )
+    state.strongest = SOURCES[source]
     closed = state.train_marks > window_iterations()
     state.marks += 1
     if kind == "train":
@@ -282,6 +316,16 @@ def _mark(source: str, kind: str) -> None:
         state.eval_seen = True
         state.reopened_at = state.marks
         state.closed.clear()
+    state.heads = set(state.closed)
+
+
+def take_digested() -> list[tuple[str, dist.ProcessGroup]]:
+    """The groups the digest compares now, by name (rule 5); the next digest's are the groups
+    closed now."""
+    state = _WINDOW
+    groups = sorted(state.digested.items())
+    state.digested = dict(state.closed)
+    return groups
 
 
 def iterations_seen() -> tuple[int, int]:
@@ -289,30 +333,54 @@ def iterations_seen() -> tuple[int, int]:
     return _WINDOW.marks, _WINDOW.train_marks
 
 
-def should_check(group: dist.ProcessGroup | None) -> bool:
-    """Whether the collective about to run on ``group`` (None: WORLD) is agreed first: always
-    in check mode, never when off, and in ``WINDOW`` mode while the group's window is open
-    (NOTE [ Check window ]). Never for a one-rank group."""
+def _backward_mark_due(state: Window) -> bool:
+    """Rule 1's weakest mark: the first collective outside any backward after one inside."""
+    if compat.current_graph_task_id() != -1:
+        state.in_backward = True
+        return False
+    if state.in_backward:
+        state.in_backward = False
+        return True
+    return False
+
+
+def decide(group: dist.ProcessGroup | None) -> int:
+    """What happens to the collective about to run on ``group`` (None: WORLD): :data:`CHECK`
+    (agree first: check mode, or the group's window is open), :data:`FOLD` or :data:`HEAD`
+    (after the window: record it; the head also agreed), :data:`SKIP` (mode off, a one-rank
+    group), or :data:`MARK_FIRST` (a backward mark is due: mark, then ask again). Counts the
+    checks (NOTE [ Check window ], rule 4)."""
     current = _SETTINGS.resolved if _SETTINGS.resolved is not None else mode()
     if current is CheckMode.OFF:
-        return False
+        return SKIP
     group = dist.group.WORLD if group is None else group
     if current is CheckMode.ALWAYS:
-        return dist.get_world_size(group) > 1
+        return CHECK if dist.get_world_size(group) > 1 else SKIP
     state = _WINDOW
+    if state.strongest <= 0 and _backward_mark_due(state):
+        return MARK_FIRST
     key = group.group_name
-    if key in state.closed or dist.get_world_size(group) == 1:
-        return False
-    if state.marks == 0 and window_size() == 0:
-        return False  # a window of no collectives: closed from the start, on every rank
+    if key in state.closed:
+        if key not in state.heads:
+            return FOLD
+        state.heads.discard(key)
+        decision = HEAD
+    elif dist.get_world_size(group) == 1:
+        return SKIP
+    elif state.marks == 0 and window_size() == 0:
+        close_window(group)  # a window of no collectives: closed from the start, on every rank
+        return FOLD
+    else:
+        decision = CHECK
+        state.first_mark.setdefault(key, state.marks)
     state.counts[key] = state.counts.get(key, 0) + 1
-    state.first_mark.setdefault(key, state.marks)
     state.checks += 1
-    return True
+    return decision
 
 
 def checked_count(group: dist.ProcessGroup | None) -> int:
-    """How many collectives on ``group`` (None: WORLD) the window has agreed so far."""
+    """How many collectives on ``group`` (None: WORLD) the window has agreed so far (heads
+    after the window included)."""
     group = dist.group.WORLD if group is None else group
     return _WINDOW.counts.get(group.group_name, 0)
 
@@ -340,9 +408,12 @@ def group_window_done(group: dist.ProcessGroup | None) -> bool:
 
 
 def close_window(group: dist.ProcessGroup | None) -> None:
-    """End ``group``'s window now (called on every member alike, after an agreement: rule 2)."""
+    """End ``group``'s window now (called on every member alike, after an agreement: rule 2);
+    from now on its collectives go into the digest (rule 5)."""
     group = dist.group.WORLD if group is None else group
-    _WINDOW.closed.add(group.group_name)
+    name = group.group_name
+    _WINDOW.closed[name] = group
+    _WINDOW.digested[name] = group
 
 
 def describe_settings() -> str:
@@ -357,7 +428,6 @@ def _describe() -> str:
         return f"invalid ({exc})"
 
 
-# Every rank must run the same mode and window (NOTE [ Check window ], rule 5):
+# Every rank must run the same mode and window (NOTE [ Check window ], rule 8):
 # initialize_model_parallel compares them over WORLD.
 add_agreed_setting("consistency mode", _describe)
-register_optimizer_step_post_hook(_optimizer_stepped)

@@ -1,8 +1,10 @@
 """Readable text for the consistency checks (private): group names, call sites, the values
-each rank reports on the slow path, and the one message every rank raises.
+each rank reports on the slow path, the one message every rank raises, and the naming of
+torch's own failures (:func:`named_failures`).
 
 Everything here runs only after a disagreement was found, except :func:`describe_group` (also
-used for torch's errors) and :func:`checksum` (check mode only).
+used for torch's errors), the checksums (agreed contents, the digest's records) and
+:class:`named_failures` (around every raw collective).
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+from megatron_core.errors import CollectiveError, MegatronCoreError
+from megatron_core.parallel_state.deadline import PeerDeadlineError
 
 _SKIPPED_MODULES = (
     "megatron_core.consistency.checks",
@@ -144,10 +149,52 @@ def message(op: str, group: dist.ProcessGroup, per_rank: list[dict[str, str]]) -
     )
 
 
-def checksum(tensor: torch.Tensor) -> str:
-    """Sum and position-weighted sum of the values (weights 1..1009): equal tensors give equal
-    checksums; a changed or moved value almost surely changes one."""
+def device_checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum and position-weighted sum of the values (weights 1..1009), as a float64 tensor [2] on
+    the tensor's device (no sync): equal tensors give equal checksums; a changed or moved value
+    almost surely changes one."""
     flat = tensor.detach().reshape(-1)
     flat = flat.double() if flat.is_floating_point() or flat.is_complex() else flat.long()
     weights = torch.arange(flat.numel(), device=flat.device) % 1009 + 1
-    return f"{flat.sum().item()!r}/{(flat * weights).sum().item()!r}"
+    return torch.stack([flat.sum(), (flat * weights).sum()]).double()
+
+
+def checksum(tensor: torch.Tensor) -> str:
+    """:func:`device_checksum` as text (one device sync)."""
+    total, weighted = device_checksum(tensor).tolist()
+    return f"{total!r}/{weighted!r}"
+
+
+def collective_failed(op: str, group: dist.ProcessGroup | None, exc: BaseException):
+    """The CollectiveError to raise (``from exc``) when torch.distributed failed inside ``op``:
+    names the op and the group and keeps torch's message (timeout, dead peer, mismatch)."""
+    text = str(exc).strip()
+    hint = ""
+    if "Connection closed by peer" in text or "Connection reset" in text:
+        hint = " (a peer process of the group died or closed its connection)"
+    elif isinstance(exc, PeerDeadlineError):
+        hint = " (a peer did not enter the collective within the peer deadline)"
+    elif "Timed out" in text or "timeout" in text.lower():
+        hint = " (a peer did not enter the collective within the group timeout)"
+    elif "Detected mismatch between collectives" in text:
+        hint = " (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL check found the ranks in different calls)"
+    return CollectiveError(f"{op} on {describe_group(group)} failed{hint}: {text}")
+
+
+class named_failures:  # noqa: N801 (used like a function: ``with named_failures(op, group):``)
+    """Context manager around a raw torch.distributed call: a RuntimeError from torch (timeout,
+    dead peer, torch's own mismatch check) leaves as a CollectiveError naming ``op`` and
+    ``group`` (see :func:`collective_failed`). A plain class: entering costs well under 1 us."""
+
+    __slots__ = ("op", "group")
+
+    def __init__(self, op: str, group: dist.ProcessGroup | None):
+        self.op, self.group = op, group
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        if isinstance(exc, RuntimeError) and not isinstance(exc, MegatronCoreError):
+            raise collective_failed(self.op, self.group, exc) from exc
+        return False

@@ -34,22 +34,38 @@ class _Tiny(torch.nn.Module):
         return (self.weight * x).sum()
 
 
+_SECOND = {  # the last rank's second probe, where a script's "bad_mid" says so
+    "shape": lambda bad: ((torch.zeros(3 if bad else 2),), {}),
+    "dtype": lambda bad: ((torch.zeros(2, dtype=torch.float64 if bad else torch.float32),), {}),
+    "args": lambda bad: ((torch.zeros(2),), {"keys": ["a"] if bad else ["a", "b"]}),
+    "content": lambda bad: ((torch.zeros(2),), {"content": torch.tensor([1, 3 if bad else 2])}),
+}
+
+
 def _run(script: dict):
-    """``script``: iterations (count), bad (iteration -> the last rank's probe differs there),
-    eval (iterations run forward_only), late (the iteration where a new group is first used),
-    plain (iterations run without the schedule: finalize_model_grads, then an optimizer step),
-    sgd (iterations run with an optimizer step only)."""
+    """``script``: iterations (count), bad (iterations where the last rank's first probe
+    differs), bad_mid (where its second probe differs, in the way ``kind`` says: _SECOND), eval
+    (iterations run forward_only), late (the iteration where a new group is first used), plain
+    (iterations run without the schedule: finalize_model_grads, then an optimizer step), sgd
+    (iterations run with an optimizer step only). Returns per iteration (iterations seen,
+    checks agreed on the TP group, on the late group), or ("caught", iteration, message,
+    optimizer steps made)."""
     ps.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
     tp = ps.get_tensor_model_parallel_group()
     last = dist.get_rank() == dist.get_world_size() - 1
     model, late_group, record = _Tiny(), None, []
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    second = _SECOND[script.get("kind", "shape")]
     with consistency.check_mode(consistency.CheckMode.WINDOW):
         for it in range(1, script["iterations"] + 1):
             rows = 3 if last and it in script.get("bad", ()) else 2
+            args, kwargs = second(last and it in script.get("bad_mid", ()))
 
-            def forward_step(data_iterator, model, rows=rows):
+            def forward_step(data_iterator, model, rows=rows, args=args, kwargs=kwargs):
                 consistency.check_collective("probe", tp, torch.zeros(rows))
+                consistency.check_collective("second probe", tp, *args, **kwargs)
                 loss = model(torch.ones(2))
                 return loss, lambda output: (output, {"loss": output.detach()})
 
@@ -75,7 +91,7 @@ def _run(script: dict):
                     for _ in range(2):
                         consistency.check_collective("late", late_group, torch.zeros(rows))
             except RankDisagreementError as exc:
-                return "caught", it, str(exc)
+                return "caught", it, str(exc), len(steps)
             late = consistency.checked_count(late_group) if late_group is not None else None
             record.append((consistency.iterations_seen(), consistency.checked_count(tp), late))
     return record
@@ -92,67 +108,103 @@ def test_two_iterations_are_agreed_whole_then_the_window_closes_on_every_rank(wo
     marks = [seen for seen, _, _ in record]
     assert marks == [(i, i) for i in range(1, 6)]
     counts = [count for _, count, _ in record]
-    # iterations 1 and 2: the probe and the check after the step, every time; iteration 3's
-    # first check carries "done" (rule 2) and closes the group on every member after it
-    assert counts == [2, 4, 5, 5, 5]
+    # iterations 1 and 2: both probes and the check after the step, every time; iteration 3's
+    # first check carries "done" (rule 2) and closes the group on every member after it; from
+    # iteration 4 on, only the head (rule 6: the first probe) is agreed
+    assert counts == [3, 6, 7, 8, 9]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("bad", [1, 2])
 def test_a_disagreement_in_iteration_1_or_2_is_caught_on_every_rank(world_size, bad):
     results = run_distributed(_run, world_size, {"iterations": 3, "bad": {bad}}, timeout=120)
-    kind, where, message = _same_everywhere(results)
-    assert (kind, where) == ("caught", bad)
+    kind, where, message, steps = _same_everywhere(results)
+    assert (kind, where, steps) == ("caught", bad, bad - 1)
     assert "probe" in message and "(2,)" in message and "(3,)" in message
 
 
-def test_after_the_window_a_differing_check_passes_unseen():
-    """Iteration 4: nothing is exchanged, so the difference is not seen (as in mode OFF)."""
-    record = _same_everywhere(run_distributed(_run, 2, {"iterations": 4, "bad": {4}}, timeout=120))
-    assert [count for _, count, _ in record] == [2, 4, 5, 5]
+def test_after_the_window_the_first_collective_of_an_iteration_is_agreed():
+    """Rule 6: iteration 4's first probe, where a batch cut differently shows first, is agreed
+    before it runs, as in the window."""
+    results = run_distributed(_run, 2, {"iterations": 5, "bad": {4}}, timeout=120)
+    kind, where, message, steps = _same_everywhere(results)
+    assert (kind, where, steps) == ("caught", 4, 3)
+    assert message.startswith("consistency check failed before probe on the "), message
+
+
+@pytest.mark.parametrize("kind", sorted(_SECOND))
+def test_after_the_window_the_digest_catches_a_later_collective_before_the_step(kind):
+    """Rule 5: iteration 5's second probe is not agreed; the digest compared when the schedule
+    returns names it on every rank, before iteration 5's optimizer step (4 steps made), with
+    what it was in iteration 4."""
+    script = {"iterations": 6, "bad_mid": {5}, "kind": kind}
+    kind_, where, message, steps = _same_everywhere(run_distributed(_run, 2, script, timeout=120))
+    assert (kind_, where, steps) == ("caught", 5, 4)
+    expected = {
+        "shape": "shape: rank 0 (global rank 0) = (2,), rank 1 (global rank 1) = (3,)",
+        "dtype": "dtype: rank 0 (global rank 0) = torch.float32, rank 1 (global rank 1) = "
+        "torch.float64",
+        "args": "keys: rank 0 (global rank 0) = ['a', 'b'], rank 1 (global rank 1) = ['a']",
+        "content": "content checksum: rank 0 (global rank 0) = 3.0/5.0, rank 1 (global rank 1) "
+        "= 4.0/7.0",
+    }[kind]
+    assert message == (
+        "the iteration digest of the tensor-model-parallel / model-parallel group (global ranks "
+        "[0, 1]) at the end of iteration 5 found that the ranks ran different collectives "
+        "since the last digest (every rank raises this error): collective #3 (second probe) of "
+        f"the 3 each rank ran differs: {expected}; in the iteration before, collective #3 was "
+        "op second probe, shape (2,), dtype torch.float32"
+        + {"args": ", keys ['a', 'b']", "content": ", content checksum 3.0/5.0"}.get(kind, "")
+        + " on every rank"
+    )
 
 
 def test_a_group_first_used_after_the_window_gets_its_iteration():
     results = run_distributed(_run, 2, {"iterations": 6, "late": 4}, timeout=120)
     record = _same_everywhere(results)
     # iteration 4: both checks on the new group agreed; iteration 5: its first check carries
-    # "done", then it is closed
-    assert [late for _, _, late in record] == [None, None, None, 2, 3, 3]
+    # "done", then it is closed; iteration 6: its head
+    assert [late for _, _, late in record] == [None, None, None, 2, 3, 4]
     caught = run_distributed(_run, 2, {"iterations": 5, "late": 4, "bad": {4}}, timeout=120)
-    assert _same_everywhere(caught)[:2] == ("caught", 4)  # the probe is closed: the new group
+    assert _same_everywhere(caught)[:2] == ("caught", 4)
 
 
 def test_the_first_evaluation_after_the_window_is_agreed():
     script = {"iterations": 6, "eval": {4, 5}}
     record = _same_everywhere(run_distributed(_run, 2, script, timeout=120))
     assert [seen for seen, _, _ in record][3:] == [(4, 3), (5, 3), (6, 4)]
-    # iteration 4 (the first evaluation) reopens: probe + after step; iteration 5's first
-    # check closes the group again
-    assert [count for _, count, _ in record] == [2, 4, 5, 7, 8, 8]
+    # iteration 4 (the first evaluation) reopens: three checks; iteration 5's first check
+    # closes the group again; iteration 6: the head
+    assert [count for _, count, _ in record] == [3, 6, 7, 10, 11, 12]
     caught = run_distributed(_run, 2, {"iterations": 5, "eval": {4}, "bad": {4}}, timeout=120)
     assert _same_everywhere(caught)[:2] == ("caught", 4)
 
 
-def test_a_loop_without_the_schedules_is_marked_by_finalize_model_grads():
-    script = {"iterations": 5, "plain": {1, 2, 3, 4, 5}}
+@pytest.mark.parametrize("loop", ["plain", "sgd"])
+def test_a_loop_without_the_schedules_is_marked_by_finalize_or_its_optimizer(loop):
+    """plain: finalize_model_grads marks each iteration after its forward; sgd: the optimizer's
+    pre-step hook. Iteration 3's probes are still agreed, its check after the step carries
+    "done"; the mark ends an iteration, so from iteration 4 the head is the check after the
+    step. The digest is compared at the mark, before the step."""
+    script = {"iterations": 5, loop: {1, 2, 3, 4, 5}}
     record = _same_everywhere(run_distributed(_run, 2, script, timeout=120))
     assert [seen for seen, _, _ in record] == [(i, i) for i in range(1, 6)]
-    # finalize_model_grads marks an iteration after its forward: iteration 3's probe is still
-    # agreed, its check after the step carries "done"
-    assert [count for _, count, _ in record] == [2, 4, 6, 6, 6]
+    assert [count for _, count, _ in record] == [3, 6, 9, 10, 11]
+    script = {"iterations": 6, loop: {1, 2, 3, 4, 5, 6}, "bad_mid": {5}}
+    kind, where, message, steps = _same_everywhere(run_distributed(_run, 2, script, timeout=120))
+    assert (kind, where, steps) == ("caught", 5, 4)
+    place = "at finalize_model_grads" if loop == "plain" else "before the optimizer step"
+    assert f"{place} of iteration 5 found" in message and "#3 (second probe)" in message
 
 
-def test_a_loop_with_only_an_optimizer_is_marked_by_its_steps():
-    """The weakest mark (rule 1): torch's optimizer step hook. Iteration 3's probe is agreed
-    before its step marks the iteration; the check after that step closes the group. The
-    schedule, once seen, is the only mark that counts."""
-    script = {"iterations": 5, "sgd": {1, 2, 3, 4, 5}}
-    record = _same_everywhere(run_distributed(_run, 2, script, timeout=120))
-    assert [seen for seen, _, _ in record] == [(i, i) for i in range(1, 6)]
-    assert [count for _, count, _ in record] == [2, 4, 6, 6, 6]
-    mixed = {"iterations": 5, "sgd": {1}}  # then the schedule: its marks alone count
+def test_the_schedule_is_the_only_mark_once_seen():
+    """An optimizer step alone, then the schedule: the schedule's first mark starts the count
+    again (rule 1), and the optimizer steps after it count nothing."""
+    mixed = {"iterations": 5, "sgd": {1}}
     record = _same_everywhere(run_distributed(_run, 2, mixed, timeout=120))
-    assert [seen for seen, _, _ in record] == [(i, i) for i in range(1, 6)]
+    assert [seen for seen, _, _ in record] == [(1, 1), (1, 1), (2, 2), (3, 3), (4, 4)]
+    # the count restarted at iteration 2: iterations 2-3 agreed whole, 4's first check closes
+    assert [count for _, count, _ in record] == [3, 6, 9, 10, 11]
 
 
 def _set_iterations(count):
@@ -165,7 +217,7 @@ def _set_iterations(count):
 
 def test_the_iteration_count_is_configurable():
     record = _same_everywhere(run_distributed(_set_iterations, 2, 1, timeout=120))
-    assert [count for _, count, _ in record] == [2, 3, 3]
+    assert [count for _, count, _ in record] == [3, 4, 5]
     with pytest.raises(Exception, match="iterations"):
         consistency.set_window_iterations(-1)
 
