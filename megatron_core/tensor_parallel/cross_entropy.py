@@ -21,7 +21,6 @@ gradient 0. All arithmetic is fp32. With ``label_smoothing = 0`` it is plain cro
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -134,12 +133,6 @@ class VocabParallelCrossEntropy:
         return grad_input.mul_(grad_output.unsqueeze(-1))
 
 
-@contextlib.contextmanager
-def _local_errors(op: str, group) -> Iterator[None]:
-    """consistency.agreed_errors on a one-rank group: the block's error is raised as it is."""
-    yield
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy. Forward: a max all-reduce, then one sum all-reduce of per-token
     partial results (module doc). Backward: local, this rank's softmax minus the target terms."""
@@ -160,10 +153,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ignored = target == ignore_index
         # Targets may differ between ranks (a user error): a rank that finds a bad one shares
         # it, so every rank raises and none waits in the all-reduce below (NOTE [ Agree before
-        # acting ] in consistency/checks.py, rule 4).
-        shared = world_size > 1  # one rank: nothing to share, and no exchange to make
-        agreed = consistency.agreed_errors if shared else _local_errors
-        with agreed("vocab_parallel_cross_entropy", group):
+        # acting ] in consistency/checks.py, rule 4). The same exchange compares the logits'
+        # shape and dtype and the target's shape, in every mode (it runs anyway): the
+        # all-reduces below are sized by them, and sizes that differ abort gloo.
+        if world_size > 1:
+            agreed = consistency.agreed_errors(
+                "vocab_parallel_cross_entropy", group, vocab_parallel_logits,
+                target_shape=tuple(target.shape), ignore_index=ignore_index,
+            )  # fmt: skip
+        else:  # one rank: nothing to share, and no exchange to make
+            agreed = contextlib.nullcontext()
+        with agreed:
             if bool((((target < 0) | (target >= vocab_size)) & ~ignored).any()):
                 bad = target[((target < 0) | (target >= vocab_size)) & ~ignored]
                 raise MegatronCoreError(
