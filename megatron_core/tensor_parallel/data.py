@@ -1,11 +1,14 @@
 """Broadcast a batch from tensor-parallel rank 0 to the rest of its group (megatron-core's
-``broadcast_data``): one broadcast of a small int64 header (status and sizes), then one of a flat
-buffer holding every tensor.
+``broadcast_data``): one all-gather of a small int64 header (status and sizes), then one
+broadcast of a flat buffer holding every tensor.
 
 Only the source rank reads ``data``, so only it can find a missing key or a wrong dtype. It puts
 what it found into the header instead of raising alone: every rank then raises the same
-MegatronCoreError after the header broadcast, before the data broadcast, and no rank is left
-waiting in a collective.
+MegatronCoreError after the header exchange, before the data broadcast, and no rank is left
+waiting in a collective. The header is all-gathered rather than broadcast so that it also
+carries every rank's hash of ``keys`` and ``datatype``: ranks that disagree on them (which
+would size the data broadcast differently: a gloo abort) raise alike, in every consistency mode,
+at no extra collective.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_core import consistency, device, parallel_state
+from megatron_core import compat, consistency, device, parallel_state
 from megatron_core.errors import MegatronCoreError
+from megatron_core.parallel_state.agreement import hash_text
 from megatron_core.tensor_parallel.utils import pick_group
 from megatron_core.utils import get_tensor_model_parallel_group_if_none
 
@@ -64,17 +68,36 @@ def _error(status: int, key, detail: int, datatype: torch.dtype, data_type, src:
     return where + f"data[{key!r}] has {detail} dimensions, at most {_MAX_DATA_DIM} are supported"
 
 
-def _header(keys: list, data, datatype: torch.dtype) -> torch.Tensor:
-    """[status, key index, detail, then per key: ndim and _MAX_DATA_DIM sizes (zero-padded)]."""
-    header = torch.zeros(3 + len(keys) * (1 + _MAX_DATA_DIM), dtype=torch.int64)
-    header[:3] = torch.tensor(_inspect(keys, data, datatype))
-    if header[0] == _OK:
+def _header(keys: list, data, datatype: torch.dtype, source: bool) -> torch.Tensor:
+    """[hash of keys and datatype, status, key index, detail, then per key: ndim and
+    _MAX_DATA_DIM sizes (zero-padded)]; status and sizes only on the source rank."""
+    header = torch.zeros(4 + len(keys) * (1 + _MAX_DATA_DIM), dtype=torch.int64)
+    header[0] = hash_text(f"{keys!r} {datatype}")
+    if not source:
+        return header
+    header[1:4] = torch.tensor(_inspect(keys, data, datatype))
+    if header[1] == _OK:
         for index, key in enumerate(keys):
             shape = data[key].shape
-            at = 3 + index * (1 + _MAX_DATA_DIM)
+            at = 4 + index * (1 + _MAX_DATA_DIM)
             header[at] = len(shape)
             header[at + 1 : at + 1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
     return header
+
+
+def _exchange_headers(header: torch.Tensor, keys, datatype, group, world_size) -> torch.Tensor:
+    """Every rank's header (NOTE in the module doc); the source's row, after checking that
+    every rank passed the same keys and datatype (else every rank raises, naming them)."""
+    if world_size == 1:
+        return header
+    local = header.to(device.current_device())
+    gathered = local.new_empty(world_size * local.numel())
+    with consistency.named_failures("broadcast_data (header)", group):
+        compat.all_gather_single(gathered, local, group=group)
+    rows = gathered.view(world_size, -1).cpu()
+    if bool((rows[:, 0] != rows[0, 0]).any()):  # the same table on every rank: all agree to
+        consistency.agree("broadcast_data", group, keys=keys, datatype=datatype)  # name them
+    return rows[0]
 
 
 def broadcast_data(
@@ -87,8 +110,9 @@ def broadcast_data(
 ) -> dict[str, torch.Tensor]:
     """Broadcast ``data[key]`` for every key from rank 0 of the tensor-parallel group.
 
-    Sizes go first (one small int64 broadcast), then all tensors in one flat buffer of
-    ``datatype``. The results are on the current device (CPU under gloo).
+    Sizes go first (one small int64 all-gather, which also compares ``keys`` and ``datatype``
+    across the group), then all tensors in one flat buffer of ``datatype``. The results are on
+    the current device (CPU under gloo).
 
     Args:
         keys: the keys to broadcast, the same list on every rank.
@@ -105,7 +129,8 @@ def broadcast_data(
     Raises:
         MegatronCoreError: on every rank, if ``keys`` is empty, ``datatype`` is not a dtype, or on
             the source rank a key is missing, a value is not a tensor, has another dtype or more
-            than 8 dimensions.
+            than 8 dimensions; RankDisagreementError if the ranks passed different ``keys`` (as
+            many of them) or ``datatype``.
     """
     keys = list(keys)
     if not keys:
@@ -120,16 +145,9 @@ def broadcast_data(
     src = dist.get_global_rank(group, 0)
     target = device.current_device()
 
-    if rank == 0:
-        header = _header(keys, data, datatype)
-    else:
-        header = torch.zeros(3 + len(keys) * (1 + _MAX_DATA_DIM), dtype=torch.int64)
-    if world_size > 1:
-        header = header.to(target)
-        with consistency.named_failures("broadcast_data (header)", group):
-            dist.broadcast(header, src, group=group)
-        header = header.cpu()
-    status, key_index, detail = header[:3].tolist()
+    header = _header(keys, data, datatype, rank == 0)
+    header = _exchange_headers(header, keys, datatype, group, world_size)
+    status, key_index, detail = header[1:4].tolist()
     if status != _OK:
         key = keys[key_index] if key_index >= 0 else None
         data_type = type(data).__name__ if rank == 0 else None
@@ -137,7 +155,7 @@ def broadcast_data(
 
     shapes = []
     for index in range(len(keys)):
-        at = 3 + index * (1 + _MAX_DATA_DIM)
+        at = 4 + index * (1 + _MAX_DATA_DIM)
         shapes.append(torch.Size(header[at + 1 : at + 1 + int(header[at])].tolist()))
     total = sum(shape.numel() for shape in shapes)
     if rank == 0:

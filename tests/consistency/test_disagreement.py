@@ -384,19 +384,31 @@ CASES = {
         always=True,
         unchecked_fragments=("vocab_parallel_cross_entropy", "failed on 1 of the", "outside [0"),
     ),
-    "ce_batch_3_vs_5": Case(_ce_batch_3_vs_5, ("vocab_parallel_cross_entropy", "(3, 4)", "(5, 4)")),
-    "ce_batch_2x3_vs_3x2": Case(
-        _ce_batch_2x3_vs_3x2, ("vocab_parallel_cross_entropy", "(2, 3, 4)", "(3, 2, 4)")
+    # cross entropy's always-on target exchange also compares the logits' shape
+    "ce_batch_3_vs_5": Case(
+        _ce_batch_3_vs_5, ("vocab_parallel_cross_entropy", "(3, 4)", "(5, 4)"), always=True
     ),
-    "ce_vocab_4_vs_6": Case(_ce_vocab_4_vs_6, ("vocab_parallel_cross_entropy", "(3, 4)", "(3, 6)")),
+    "ce_batch_2x3_vs_3x2": Case(
+        _ce_batch_2x3_vs_3x2,
+        ("vocab_parallel_cross_entropy", "(2, 3, 4)", "(3, 2, 4)"),
+        always=True,
+    ),
+    "ce_vocab_4_vs_6": Case(
+        _ce_vocab_4_vs_6, ("vocab_parallel_cross_entropy", "(3, 4)", "(3, 6)"), always=True
+    ),
     "ce_targets_differ": Case(
         _ce_targets_differ, ("vocab_parallel_cross_entropy", "content checksum")
     ),
+    # broadcast_data's header exchange (always) carries a hash of the keys and the datatype
     "broadcast_f32_vs_i64": Case(
-        _broadcast_f32_vs_i64, ("broadcast_data", "datatype", "torch.float32", "torch.int64")
+        _broadcast_f32_vs_i64,
+        ("broadcast_data", "datatype", "torch.float32", "torch.int64"),
+        always=True,
     ),
     "broadcast_i64_vs_f64": Case(
-        _broadcast_i64_vs_f64, ("broadcast_data", "datatype", "torch.int64", "torch.float64")
+        _broadcast_i64_vs_f64,
+        ("broadcast_data", "datatype", "torch.int64", "torch.float64"),
+        always=True,
     ),
     "broadcast_keys": Case(_broadcast_keys, ("broadcast_data", "keys", "['a', 'b']", "['a']")),
     "embedding_out_of_range": Case(
