@@ -295,6 +295,19 @@ def _check_last_dim(layer: str, input_: torch.Tensor, expected: int) -> None:
         )
 
 
+def _check_dtype(layer: str, input_: torch.Tensor, weight: torch.Tensor) -> None:
+    """The input must have the weight's dtype unless autocast is on for its device: a local
+    check that needs no peer, kept after the check window (NOTE [ Check window ], rule 7), made
+    before any collective (under sequence parallelism the input is all-gathered first, and an
+    input of another dtype on one rank sizes that gather differently: a gloo abort)."""
+    if input_.dtype != weight.dtype and not torch.is_autocast_enabled(input_.device.type):
+        raise MegatronCoreError(
+            f"{layer}: input dtype {input_.dtype} is not the layer's dtype {weight.dtype} "
+            "(config.params_dtype) and autocast is off; cast the input or run under "
+            "torch.autocast"
+        )
+
+
 def allreduce_sequence_parallel_grads(
     module: torch.nn.Module, group: dist.ProcessGroup | None = None
 ) -> None:

@@ -36,6 +36,7 @@ from megatron_core.model_parallel_config import ModelParallelConfig
 from megatron_core.tensor_parallel.embedding import VocabParallelEmbedding
 from megatron_core.tensor_parallel.layer_params import (  # noqa: F401  (re-exports)
     _check_divisible,
+    _check_dtype,
     _check_last_dim,
     _init_shard,
     _initialize_affine_weight_cpu,
@@ -226,6 +227,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
                 f"{(self.output_size_per_partition, self.input_size)}"
             )
         _check_last_dim(layer, input_, self.input_size)
+        _check_dtype(layer, input_, weight)
         expert_comm = self.explicit_expert_comm
         if (
             self.allreduce_dgrad
@@ -356,6 +358,7 @@ class RowParallelLinear(_ParallelLinearBase):
             sequence parallelism); output_bias is the bias when skip_bias_add, else None.
         """
         layer = "RowParallelLinear"
+        _check_dtype(layer, input_, self.weight)
         if self.input_is_parallel:
             _check_last_dim(layer, input_, self.input_size_per_partition)
             input_parallel = input_

@@ -348,7 +348,8 @@ def check_fusion(report, tp, rank):
         report.close(f"{dtype} column main_grad", col.weight.main_grad, expected_col, tol)
         report.close(f"{dtype} row main_grad", row.weight.main_grad, expected_row, tol)
     del col.weight.main_grad
-    report.raises("missing main_grad", lambda: col(torch.ones(2, HIDDEN)), "main_grad")
+    x_bf16 = torch.ones(2, HIDDEN, dtype=torch.bfloat16)
+    report.raises("missing main_grad", lambda: col(x_bf16), "main_grad")
     # Deferred wgrad (megatron's embedding-wgrad deferral): dY is stashed, no weight gradient.
     weight, buffer = torch.ones(3, 4, requires_grad=True), []
     out = linear_with_grad_accumulation_and_async_allreduce(
@@ -382,6 +383,14 @@ def check_errors(report, tp, rank):
     report.raises("no weight", lambda: no_weight(torch.ones(2, HIDDEN)), "weight=")
     x_row = torch.ones(2, FFN // tp + 1)
     report.raises("row input last dim", lambda: row()(x_row), f"must be {FFN // tp}")
+    # an input of another dtype than the layer's, autocast off (NOTE [ Check window ], rule 7)
+    x64 = torch.ones(2, HIDDEN, dtype=torch.float64)
+    wrong = "input dtype torch.float64 is not the layer's dtype torch.float32"
+    report.raises("input dtype", lambda: col()(x64), wrong)
+    if tp > 1:  # sequence parallelism all-gathers the input first
+        report.raises("SP input dtype", lambda: col(config=config(tp, True))(x64), wrong)
+    x64_row = torch.ones(2, FFN // tp, dtype=torch.float64)
+    report.raises("row input dtype", lambda: row()(x64_row), wrong)
     ep_cfg = config(tp, expert_model_parallel_size=2)
     report.raises("expert needs skip_bias_add", lambda: row(config=ep_cfg, is_expert=True),
                   "skip_bias_add")  # fmt: skip
