@@ -18,6 +18,11 @@ megatron-core is an optional extra (``pip install "megatron-tp-core[megatron]"``
 accepts the releases it was tested with (:data:`SUPPORTED_VERSIONS`) and refuses others unless
 ``MEGATRON_CORE_SWITCH_ANY_VERSION=1``.
 
+Where no real Transformer Engine is importable, the switch also serves this package's
+Transformer Engine stand-in as ``transformer_engine`` (``megatron_core.transformer_engine``;
+NOTE [ Serving the Transformer Engine stand-in ] in ``te_stand_in.py``), so megatron-core's
+Transformer Engine layer spec runs on it.
+
 On a torch without CUDA the switch also turns on its CPU mode (``cpu_mode.py``, NOTE [ CUDA on
 the CPU ]): megatron-core's CUDA calls run on the CPU. ``install(cuda_on_cpu=False)`` or
 ``MEGATRON_CORE_CUDA_ON_CPU=0`` keeps it off.
@@ -31,7 +36,7 @@ import warnings
 
 from megatron_core import flags
 from megatron_core.errors import MegatronCoreError
-from megatron_core.megatron import _children, cpu_mode, without_te
+from megatron_core.megatron import _children, cpu_mode, te_stand_in, without_te
 from megatron_core.megatron._finder import MegatronSwitchFinder
 from megatron_core.tensor_parallel.linear.base import set_expert_grad_rule
 
@@ -194,6 +199,7 @@ def install(cuda_on_cpu: bool | None = None) -> None:
         sys.meta_path.insert(0, _FINDER)
         # the allreduce marks of expert parameters follow the served release
         set_expert_grad_rule("0.16" if release.startswith("0.16.") else "0.19")
+        te_stand_in.serve()  # NOTE [ Serving the Transformer Engine stand-in ]
         without_te.arm()  # NOTE [ Without Transformer Engine ]
     if want is not None:
         cpu_mode.configure(want)
@@ -202,8 +208,8 @@ def install(cuda_on_cpu: bool | None = None) -> None:
 
 
 def uninstall() -> None:
-    """Remove the import hook, the CPU mode and the hand-over to child processes. Modules already
-    imported keep the objects they were given."""
+    """Remove the import hook, the Transformer Engine stand-in, the CPU mode and the hand-over to
+    child processes. Modules already imported keep the objects they were given."""
     global _FINDER
     cpu_mode.disable()
     if _FINDER is not None and _FINDER in sys.meta_path:
@@ -211,6 +217,7 @@ def uninstall() -> None:
     _FINDER = None
     _children.disarm()
     without_te.disarm()
+    te_stand_in.unserve()
     set_expert_grad_rule("0.19")
 
 

@@ -48,6 +48,7 @@ import sys
 
 from megatron_core.errors import MegatronCoreError
 from megatron_core.megatron._finder import PostImportFinder
+from megatron_core.megatron.te_stand_in import importable
 
 __all__ = ["ADAPTERS", "arm", "disarm", "put_back"]
 
@@ -175,7 +176,7 @@ def _answer_without_te(original):
     """Rule 5."""
     import importlib.util
 
-    if importlib.util.find_spec("transformer_engine") is not None:
+    if importable(importlib.util.find_spec("transformer_engine")):  # real, or the stand-in
         return original
     import megatron.core.utils as megatron_utils
 

@@ -108,9 +108,17 @@ __all__ = [
     "is_graph_safe_cuda_rng_tracker",
 ]
 
-# Whether Transformer Engine is importable (megatron-core's module-level name, which its unit tests
-# import from here); found without importing it.
-HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+
+def __getattr__(name: str) -> Any:
+    """``HAVE_TE``: whether ``transformer_engine`` is importable now (megatron-core's module-level
+    name, which its unit tests import from here), found without importing it; it is True while
+    the megatron switch serves the Transformer Engine stand-in (NOTE [ Serving the Transformer
+    Engine stand-in ], rule 4)."""
+    if name == "HAVE_TE":  # a regular module, not a namespace package of that name
+        spec = importlib.util.find_spec("transformer_engine")
+        return spec is not None and spec.origin not in (None, "namespace")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"

@@ -7,6 +7,7 @@ bitwise (rtol=atol=0): the same generator state must give the same numbers, not 
 
 import io
 import random
+import sys
 
 import pytest
 import torch
@@ -545,8 +546,17 @@ def test_audit_inside_a_fork_is_refused_naming_the_stream():
     assert "audit_rng_streams called inside fork('data-parallel-rng')" in message
 
 
-def test_have_te_is_megatron_cores_module_name():
-    # megatron-core 0.19's unit tests import HAVE_TE from tensor_parallel.random.
-    import importlib.util
+def test_have_te_is_megatron_cores_module_name(tmp_path, monkeypatch):
+    # megatron-core 0.19's unit tests import HAVE_TE from tensor_parallel.random; it answers at
+    # each read whether a regular transformer_engine module is importable (a namespace package of
+    # that name, such as tests/transformer_engine on pytest's path, is not one).
+    (tmp_path / "namespace" / "transformer_engine").mkdir(parents=True)
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "namespace"), *sys.path])
+    assert tp_random.HAVE_TE is False
+    package = tmp_path / "regular" / "transformer_engine"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "regular"), *sys.path])
+    from megatron_core.tensor_parallel.random import HAVE_TE
 
-    assert tp_random.HAVE_TE is (importlib.util.find_spec("transformer_engine") is not None)
+    assert HAVE_TE is True
