@@ -28,11 +28,30 @@ NOTE [ CUDA first call ]
 2. Nothing else here reads CUDA state that exists only after initialization.
 3. tests/test_device_fake_cuda.py runs these paths on a CPU-only build against a fake
    ``torch.cuda`` that behaves lazily like the real one.
+
+NOTE [ The allocator's total on the CPU ]
+1. On CUDA the allocator counts every live tensor's bytes (``torch.cuda.memory_allocated``,
+   ``max_memory_allocated`` since ``reset_peak_memory_stats``). torch's CPU allocator keeps no
+   such counter, so :func:`allocated_bytes` takes a census on the CPU: every live CPU storage,
+   each once, that the garbage collector's tensors and storages (and the gradients of the leaf
+   tensors among them) lead to, and that torch's allocator made (a resizable storage: not
+   numpy's, a file's or a Python buffer's memory, which torch only wraps).
+2. What it cannot see: storages only C++ holds (an autograd graph's saved tensors, a
+   collective's buffers while gloo's worker still has them). Between training steps there are
+   none of the first, and the second are freed as the collective ends; so the census is taken
+   as a step begins, and a step's peak above it is read from the allocator's events
+   (tensor_parallel/recompute/plan_probe.MemoryTimeline). tests/tensor_parallel/recompute/
+   test_plan_total.py checks the census against torch's profiler switched on before the model
+   was built (every block's size known) on our GPT and on megatron-core's GPTModel.
+3. It costs a walk over the collector's objects (about 0.1 s with megatron-core imported on a
+   2-core machine): a few reads per plan or measured step, not per operation.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 import warnings
 
 import torch
@@ -58,6 +77,8 @@ __all__ = [
     "synchronize",
     "memory_allocated",
     "max_memory_allocated",
+    "allocated_bytes",
+    "StepTimer",
     "reset_peak_memory_stats",
     "total_memory",
     "nvtx_range_push",
@@ -199,6 +220,81 @@ def memory_allocated() -> int:
 def max_memory_allocated() -> int:
     """Peak bytes allocated on the device since the last reset; 0 on cpu."""
     return torch.cuda.max_memory_allocated() if device_type() == "cuda" else 0
+
+
+def allocated_bytes() -> int:
+    """Bytes the device's allocator holds for live tensors now, nothing left out:
+    ``torch.cuda.memory_allocated()`` on cuda; on the cpu, which keeps no such counter, the
+    census of NOTE [ The allocator's total on the CPU ] (read it between steps)."""
+    if device_type() == "cuda":
+        return torch.cuda.memory_allocated()
+    return sum(_cpu_storages().values())
+
+
+def _cpu_storages() -> dict[int, int]:
+    """NOTE [ The allocator's total on the CPU ], rule 1: ``{address: bytes}`` of the live CPU
+    storages torch's allocator made, reached from the garbage collector's objects."""
+    found: dict[int, int] = {}
+
+    def add(storage) -> None:
+        try:
+            if storage.device.type != "cpu" or not storage.resizable():
+                return
+            address = storage.data_ptr()
+            if address:
+                found[address] = storage.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+            return  # no addressable storage: a sparse, meta or wrapper-subclass tensor
+
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance: that reads __class__, which some objects warn on
+        if issubclass(kind, torch._C.TensorBase):
+            try:
+                add(obj.untyped_storage())
+                grad = obj.grad if obj.is_leaf and obj.requires_grad else None
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            if grad is not None:
+                add(grad.untyped_storage())
+        elif issubclass(kind, torch.UntypedStorage):
+            add(obj)
+        elif issubclass(kind, torch.TypedStorage):
+            add(obj.untyped_storage())
+    return found
+
+
+class StepTimer:
+    """Milliseconds of one region's work on this rank that other processes on the machine do not
+    move: on cuda the device's time between two CUDA events recorded on the current stream; on
+    the cpu this thread's CPU time (``time.thread_time``), or the process's
+    (``time.process_time``) where torch runs an operation on several threads, whose work this
+    thread's clock would not count. Waiting (for a peer rank, for a core another process holds)
+    is not work and is not counted on the cpu.
+
+    Use: ``with device.StepTimer() as timer: ...``, then ``timer.ms``.
+    """
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self._events = None
+        self._clock = time.thread_time_ns if torch.get_num_threads() == 1 else time.process_time_ns
+        self._start = 0
+
+    def __enter__(self) -> StepTimer:
+        if device_type() == "cuda":
+            self._events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self._events[0].record()
+        else:
+            self._start = self._clock()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._events is not None:
+            self._events[1].record()
+            self._events[1].synchronize()
+            self.ms = self._events[0].elapsed_time(self._events[1])
+        else:
+            self.ms = (self._clock() - self._start) / 1e6
 
 
 def total_memory() -> int:

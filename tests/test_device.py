@@ -84,3 +84,36 @@ def test_cpu_paths_never_touch_torch_cuda(monkeypatch):
     device.synchronize()
     device.reset_peak_memory_stats()
     assert device.memory_allocated() == 0 and device.max_memory_allocated() == 0
+    device.allocated_bytes()  # the census: no torch.cuda either
+    with device.StepTimer():
+        pass
+
+
+def test_the_cpu_census_counts_each_allocator_storage_once():
+    # NOTE [ The allocator's total on the CPU ]: views share their storage, numpy's memory is
+    # not the allocator's, a leaf's gradient (held by C++ until read) is counted
+    import numpy
+
+    before = device.allocated_bytes()
+    block = torch.ones(1000)
+    views = [block[10:], block.view(10, 100)]
+    wrapped = torch.from_numpy(numpy.zeros(5000, dtype=numpy.float32))
+    assert device.allocated_bytes() - before == 4000, (views, wrapped)
+    weight = torch.ones(250, requires_grad=True)
+    (weight * 2).sum().backward()
+    assert device.allocated_bytes() - before == 4000 + 1000 + 1000  # the weight and its grad
+
+
+def test_the_step_timer_counts_work_not_waiting():
+    # NOTE [ Recompute planner ], rule 2: on the CPU the planner's clock is this thread's CPU
+    # time, which another process holding the core does not move; a wait is not work
+    import time
+
+    with device.StepTimer() as waited:
+        time.sleep(0.2)
+    with device.StepTimer() as worked:
+        end = time.thread_time() + 0.1
+        while time.thread_time() < end:
+            pass
+    assert waited.ms < 50, waited.ms
+    assert worked.ms >= 100, worked.ms

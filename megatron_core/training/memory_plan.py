@@ -5,8 +5,9 @@ Every rank probes one microbatch of the first iteration's data (NOTE [ Recompute
 tensor_parallel/recompute/plan.py; the optimizer's moments, not made yet, are counted as its
 first step will make them), the plan is printed and applied to the model's layers, and the
 second iteration (the first where the moments exist; the only one of a one-iteration run) runs
-under the allocator timeline: its peak (model states + the iteration's peak, the optimizer
-step included) is printed beside the prediction (forward and backward).
+under the allocator timeline: its peak, the allocator's total with nothing subtracted (model and
+optimizer states, the buffers kept from the first iteration, the data, the iteration's own
+peak, the optimizer step included), is printed beside the prediction.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_tensor_shapes, interleaved_chunk_order
 from megatron_core.tensor_parallel.recompute.plan import RecomputePlan, plan_recompute
-from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline, model_state_bytes
+from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
 from megatron_core.training.data import ByteCorpus, get_batch
 from megatron_core.training.mixed_precision import MixedPrecisionOptimizer
 
@@ -97,16 +98,16 @@ def stage_probe_forward(model, tokens, labels, seq_length: int, loss=None):
 
 def measured_iteration(train_step, model, optimizer, plan: RecomputePlan) -> tuple[object, str]:
     """Run ``train_step()`` under the allocator timeline; its result and a line with the
-    measured peak (model states before the step + the step's peak) beside the prediction."""
+    measured peak beside the prediction: the allocator's total at the peak, nothing subtracted
+    (``max_memory_allocated`` after a reset on a GPU; on the CPU the census of what is alive
+    as the step begins plus the allocator events' peak above it: NOTE [ The allocator's total
+    on the CPU ], in device.py), or with ``activations_only`` the peak above the step's start."""
     optimizer.zero_grad(set_to_none=True)  # as the step begins: the timeline sees no older frees
-    static = 0
-    if not plan.activations_only:
-        static = model_state_bytes(model, optimizer)
-    timeline = MemoryTimeline()
+    timeline = MemoryTimeline(total=not plan.activations_only)
     with timeline:
         result = train_step()
         timeline.mark("end")
-    peak = static + max(peak for _, _, peak in timeline.points)
+    peak = timeline.start_total + max(peak for _, _, peak in timeline.points)
     scope = "activations" if plan.activations_only else "total"
     line = (
         f"memory ({scope}): predicted peak {plan.predicted_peak / _MiB:,.1f} MiB, measured "

@@ -26,15 +26,26 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    probe: ``pre`` (kept before the first layer: embeddings, inputs), the head (final norm,
    logits, loss: its peak above the last layer's mark, and what it leaves for the backward)
    and the tail (embedding backward). The step time of each option is the median of timed
-   repeats, run round-robin over the options (a slow spell of a shared machine hits all
-   alike); an option costs ``(t_o - t_none) / L`` per layer, at least its share of a layer's
+   repeats, run round-robin over the options, each timed as the step's work on this rank
+   (``device.StepTimer``: this thread's CPU time on the CPU, CUDA events on a GPU), which
+   other processes on a shared machine do not move as they move the wall clock; an option
+   costs ``(t_o - t_none) / L`` per layer, at least its share of a layer's
    forward FLOPs times a third of a layer's step (the fallback where timing cannot see it),
-   and at least what any option recomputing less of the layer costs. The model states
-   (parameters, gradients, optimizer states, main parameters) are counted from the objects
-   (``model_state_bytes``; an optimizer that has not stepped yet: the moments its first step
-   will make, ``pending_optimizer_state_bytes``).
+   and at least what any option recomputing less of the layer costs. ``static``, what is
+   allocated as a step begins, is the allocator's total after the probes with the gradients
+   dropped, nothing subtracted (``device.allocated_bytes``: ``memory_allocated`` on CUDA, a
+   census of the live storages on the CPU), plus the optimizer states its first step will
+   make where it has not stepped (``pending_optimizer_state_bytes``): the model and optimizer
+   states, the data, and the buffers the model or its libraries made at the warm-up step and
+   keep for good (megatron-core's global memory buffer, the ``[b * np, s, s]`` scores its
+   local attention hands ``baddbmm``: 2 GiB in fp32 at s = 4096, 32 heads per rank, b = 1).
+   They are counted where the probe finds them allocated, from no list of known buffers; a
+   probe step that leaves more than 1% of its peak allocated (a buffer its option needs and
+   the warm-up's did not) runs once more with the buffer there. The model states counted from
+   the objects (``model_state_bytes``) are shown beside it. A budget bounds that total at the
+   step's peak, what ``max_memory_allocated`` reads after a reset on a GPU.
 3. Prediction. With K_j the kept bytes of layers 0..j and U_j what layers j+1.. left after
-   their backward, the step's peak above the model states is the largest of
+   their backward, the step's peak above ``static`` is the largest of
    ``pre + K_{j-1} + fwd_{o_j}`` (layer j's forward), ``pre + K_{L-1} + head``, ``pre +
    head_left + K_j + U_j + bwd_{o_j}`` (layer j's backward: layers after j have freed what
    they kept) and the tail after layer 0's backward. Layers of one block are alike: an
@@ -290,7 +301,12 @@ class RecomputePlan:
             f"{self.predicted_peak / _MiB:,.1f} MiB, overhead {self.overhead_ms:.2f} ms per "
             f"microbatch over {self.step_ms:.2f} ms without recompute"
         )
-        lines.append(f"  model states {stage.static / _MiB:,.1f} MiB")
+        if not self.activations_only:
+            lines.append(
+                f"  allocated as a step begins {stage.static / _MiB:,.1f} MiB: model states "
+                f"{stage.states / _MiB:,.1f} MiB, other {(stage.static - stage.states) / _MiB:,.1f}"
+                " MiB (buffers kept from a first step, data)"
+            )
         if stage.microbatches > 1:
             lines.append(
                 f"  microbatches {stage.microbatches} per step, {stage.in_flight} held at once"
@@ -361,7 +377,8 @@ def plan_recompute(
         optimizer: the optimizer whose states count towards the model states (before its
             first step, what they will take: ``pending_optimizer_state_bytes``), or None.
         The RNG streams (CPU, device, tracker) are restored after the probe steps.
-        activations_only: the budget bounds the step's peak above the model states only.
+        activations_only: the budget bounds the step's peak above what is allocated as it
+            begins (``static``) only.
         options: the options to weigh (default :func:`candidate_options`).
         repeats: timed steps per option.
         microbatches: microbatches per step (gradient accumulation; under pipeline
@@ -605,7 +622,7 @@ def choose_plan(
 
 def _best_megatron(stage: StageMeasure, limit: int, static: int) -> dict | None:
     """The megatron-core setting (rule 6) with the least predicted overhead whose predicted
-    peak above the model states is at most ``limit``, or None."""
+    peak above ``static`` is at most ``limit``, or None."""
     best = None
     for fields, candidate in _megatron_candidates(stage):
         candidate_peak = predict_peak(stage, candidate)
@@ -635,6 +652,6 @@ def _no_fit_message(
     return (
         f"recompute planner: no plan fits the budget of {budget:,} bytes "
         f"({budget / _MiB:,.1f} MiB); the smallest that fits is {fits:,} bytes "
-        f"({fits / _MiB:,.1f} MiB, model states {static / _MiB:,.1f} MiB), "
+        f"({fits / _MiB:,.1f} MiB, allocated as a step begins {static / _MiB:,.1f} MiB), "
         f"recomputing {what}"
     )

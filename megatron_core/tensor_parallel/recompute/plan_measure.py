@@ -22,6 +22,7 @@ from megatron_core.tensor_parallel.recompute.plan_megatron import (
     megatron_options,
 )
 from megatron_core.tensor_parallel.recompute.plan_probe import (
+    Probe,
     _find_blocks,
     gradient_bytes,
     model_state_bytes,
@@ -37,7 +38,13 @@ from megatron_core.tensor_parallel.recompute.plan_search import (
     predict_peak,
 )
 
-__all__ = ["candidate_options", "measure_stage", "measure_chunks", "stage_max"]
+__all__ = [
+    "candidate_options",
+    "measure_stage",
+    "measure_chunks",
+    "stage_max",
+    "allocated_before_step",
+]
 
 _SELECTIVE = (
     "selective:core_attn",
@@ -112,13 +119,14 @@ def measure_stage(
     options = list(options)
     if options[0] != "none":
         raise MegatronCoreError(f"recompute planner: options must start with 'none', got {options}")
-    time_step(model, ["none"] * layers, forward, 1)  # warm-up: lazy state, caches
+    # warm-up: lazy state, caches, the buffers a first step makes and keeps (rule 2)
+    time_step(model, ["none"] * layers, forward, 1)
     # One probe per option: on the CPU, with several ranks too, the timeline sees every free
     # (NOTE [ Frees the CPU profiler records ]), so a probe repeats to within 0.3%.
     probes, shapes, times = {}, {}, {option: [] for option in options}
     probed = min(microbatches, 2)
     for option in options:
-        probe = probe_step(model, [option] * layers, forward, probed)
+        probe = _probe_kept_buffers_first(model, [option] * layers, forward, probed)
         probes[option], shapes[option] = probe.points, probe.shape
         _check_points(probes[option], layers, option, probed)
     numbers = _stage_numbers(model, optimizer, probes, options, layers)
@@ -138,18 +146,44 @@ def measure_stage(
     return _stage(layers, options, numbers, [extra[o] for o in options], slowest[0], spread)
 
 
+def _probe_kept_buffers_first(model, choices, forward, microbatches: int) -> Probe:
+    """A probe step with ``choices``; where it left more than 1% of its peak allocated after
+    its gradients were dropped (a buffer the option's step made and keeps, which the warm-up's
+    did not need: rule 2), probed once more, that buffer now counted before the step."""
+    probe = probe_step(model, choices, forward, microbatches)
+    if probe.left > probe.peak // 100:
+        probe = probe_step(model, choices, forward, microbatches)
+    return probe
+
+
+def allocated_before_step(model, optimizer=None) -> tuple[int, int]:
+    """What is allocated as a training step begins (rule 2's ``static``), and of it the model
+    states: the allocator's total with the model's gradients dropped, nothing subtracted
+    (``device.allocated_bytes``: model and optimizer states, the buffers the model or its
+    libraries made at a first step and keep, the data, whatever else is alive), plus the
+    optimizer states its first step will make (``pending_optimizer_state_bytes``); the model
+    states as counted from the objects (``model_state_bytes``), that same pending part
+    included."""
+    model.zero_grad(set_to_none=True)
+    device.synchronize()
+    pending = pending_optimizer_state_bytes(optimizer)
+    return device.allocated_bytes() + pending, model_state_bytes(model, optimizer) + pending
+
+
 def _stage_numbers(model, optimizer, probes: dict, options, layers: int) -> list[int]:
     """The byte numbers of the probes (rule 2), in StageMeasure's order."""
     none = probes["none"]
     kept = _option_numbers(none, layers)[0]
     last = none[f"f{layers - 1}"][0]
+    static, states = allocated_before_step(model, optimizer)
     numbers = [
-        model_state_bytes(model, optimizer) + pending_optimizer_state_bytes(optimizer),
+        static,
         none["f0"][0] - kept,  # pre
         max(none["head"][1], none[f"g{layers - 1}"][1]) - last,  # head
         none[f"g{layers - 1}"][0] - last,  # head_left
         none["end"][1] - none["g-1"][0],  # tail
         gradient_bytes(model),  # grads: what a step's backward allocates and keeps
+        states,
     ]
     for option in options:
         numbers += _option_numbers(probes[option], layers)
@@ -158,13 +192,14 @@ def _stage_numbers(model, optimizer, probes: dict, options, layers: int) -> list
 
 def _stage(layers, options, numbers, extra, step_ms=0.0, spread=0) -> StageMeasure:
     measures = {
-        option: OptionMeasure(*numbers[6 + 5 * i : 10 + 5 * i], extra[i], numbers[10 + 5 * i])
+        option: OptionMeasure(*numbers[7 + 5 * i : 11 + 5 * i], extra[i], numbers[11 + 5 * i])
         for i, option in enumerate(options)
     }
-    static, pre, head, head_left, tail, grads = numbers[:6]
+    static, pre, head, head_left, tail, grads, states = numbers[:7]
     return StageMeasure(
-        layers, static, pre, head, head_left, tail, step_ms, measures, spread, grads=grads
-    )
+        layers, static, pre, head, head_left, tail, step_ms, measures, spread, grads=grads,
+        states=states,
+    )  # fmt: skip
 
 
 def _agree(numbers: list[int], peaks: list[int], options: Sequence[str]) -> tuple[list, int]:
@@ -231,11 +266,11 @@ def measure_chunks(
         measure_stage(c, f, None, options, repeats, microbatches) for c, f in zip(chunks, forwards)
     ]
     everything = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
-    static = model_state_bytes(everything, optimizer) + pending_optimizer_state_bytes(optimizer)
-    static = int(stage_max([float(static)])[0])
+    static, states = allocated_before_step(everything, optimizer)  # every chunk's, once
+    static, states = (int(x) for x in stage_max([float(static), float(states)]))
     first = stages[0]
     if len(stages) == 1:
-        return dataclasses.replace(first, static=static)
+        return dataclasses.replace(first, static=static, states=states)
     options = {
         name: OptionMeasure(
             *(max(getattr(s.options[name], f) for s in stages)
@@ -250,4 +285,5 @@ def measure_chunks(
                                 for f in ("pre", "head", "head_left", "tail")),
         sum(s.step_ms for s in stages), options, max(s.spread for s in stages),
         grads=sum(s.grads for s in stages), chunks=len(stages), chunk_stages=tuple(stages),
+        states=states,
     )  # fmt: skip

@@ -109,12 +109,23 @@ class MegatronCoreBlock:
                     f"recompute planner: megatron-core's layer {index} ({type(layer).__name__}) "
                     f"lacks the recompute flags {missing or ['checkpoint_core_attention']}"
                 )
-        self.block = block
+        # weakly: the view is the value of a WeakKeyDictionary keyed by the block, and a strong
+        # reference there would keep the block (and every model planned) alive for good
+        self._block = weakref.ref(block)
         self.config = config
-        self.layers = block.layers
         self._own = self._settings()
         self._probe = None
         self._handles: list = []
+
+    @property
+    def block(self) -> torch.nn.Module:
+        """megatron-core's TransformerBlock this view drives."""
+        return self._block()
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        """The block's layers."""
+        return self.block.layers
 
     @classmethod
     def of(cls, block: torch.nn.Module) -> MegatronCoreBlock:

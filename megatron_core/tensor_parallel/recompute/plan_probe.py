@@ -9,7 +9,6 @@ The model that turns these measurements into a prediction, and the search, are i
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -33,6 +32,7 @@ __all__ = [
     "pending_optimizer_state_bytes",
     "probe_step",
     "step_peak",
+    "step_total_peak",
     "time_step",
 ]
 
@@ -59,20 +59,28 @@ class MemoryTimeline:
     where nothing older is freed inside that matters (drop the gradients first); the RNG
     streams' state tensors, which a fork replaces, are re-created as the timeline begins, so
     that their frees count as on CUDA.
+
+    With ``total``, :attr:`start_total` is the allocator's total as the block began, nothing
+    subtracted (``device.allocated_bytes``: on CUDA ``memory_allocated``, on the CPU the census
+    of NOTE [ The allocator's total on the CPU ] in device.py), so that ``start_total`` plus a
+    point's peak is the total at that peak (on CUDA exactly ``max_memory_allocated``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, total: bool = False) -> None:
         self.cuda = device.device_type() == "cuda"
         self.points: list[tuple[str, int, int]] = []
+        self.total = total
+        self.start_total = 0
         self._profiler = None
         self._base = 0
 
     def __enter__(self) -> MemoryTimeline:
         if self.cuda:
             device.synchronize()
-            self._base = device.memory_allocated()
+            self._base = self.start_total = device.memory_allocated()
             device.reset_peak_memory_stats()
         else:
+            self.start_total = device.allocated_bytes() if self.total else 0
             from megatron_core.tensor_parallel.random import renew_stream_tensors
 
             self._profiler = torch.profiler.profile(
@@ -289,6 +297,13 @@ class Probe(NamedTuple):
         """The most bytes allocated during the step, above what was allocated before it."""
         return max(peak for _, peak in self.points.values())
 
+    @property
+    def left(self) -> int:
+        """What the step left allocated once its gradients were dropped, above what was
+        allocated before it: buffers the model or its libraries made in the step and keep
+        (megatron-core's global memory buffer at a first forward); 0 for a step like the last."""
+        return self.points["left"][0]
+
 
 def probe_step(
     model: torch.nn.Module,
@@ -299,8 +314,8 @@ def probe_step(
     """One forward + backward of ``forward()`` (which returns the scalar loss) per microbatch,
     the gradients accumulating, with the layers' recompute set to ``choices``; the allocator's
     marks (:class:`MemoryTimeline`, :class:`LayerMarks`) plus ``head`` (after the loss) and
-    ``end`` (after backward), those of microbatch n > 1 named with the prefix ``"{n}:"``. The
-    gradients are dropped afterwards (``set_to_none``)."""
+    ``end`` (after backward), those of microbatch n > 1 named with the prefix ``"{n}:"``, and
+    ``left`` after the gradients are dropped (``set_to_none``; :attr:`Probe.left`)."""
     (block,) = _find_blocks(model)
     block.set_layer_recompute(choices)
     model.zero_grad(set_to_none=True)
@@ -315,6 +330,8 @@ def probe_step(
                 loss.backward()
                 timeline.mark(marks.prefix + "end")
                 del loss
+            model.zero_grad(set_to_none=True)
+            timeline.mark("left")
     finally:
         block.probe = None
         model.zero_grad(set_to_none=True)
@@ -338,21 +355,39 @@ def step_peak(modules, step: Callable[[], object]) -> int:
     return max(peak for _, _, peak in timeline.points)
 
 
+def step_total_peak(modules, step: Callable[[], object]) -> int:
+    """The allocator's total at the peak of ``step()``, nothing subtracted: model states,
+    optimizer states, every buffer alive, and the step's own peak (``max_memory_allocated``
+    after a reset on CUDA; on the CPU the census as the step begins plus the allocator events'
+    peak above it: :class:`MemoryTimeline` with ``total``). The gradients of ``modules`` are
+    dropped before the step and after, as :func:`step_peak` does."""
+    modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+    timeline = MemoryTimeline(total=True)
+    with timeline:
+        step()
+        timeline.mark("end")
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+    return timeline.start_total + max(peak for _, _, peak in timeline.points)
+
+
 def time_step(
     model: torch.nn.Module, choices: list[str], forward: Callable[[], torch.Tensor], repeats: int
 ) -> float:
     """Median milliseconds of ``repeats`` forward + backward steps with the layers' recompute
-    set to ``choices`` (the host clock, the device synchronized around each step)."""
+    set to ``choices``: the work of the step on this rank (``device.StepTimer``: CUDA events on
+    a GPU, this thread's CPU time on the CPU), which other processes on the machine do not move
+    (NOTE [ Recompute planner ], rule 2)."""
     (block,) = _find_blocks(model)
     block.set_layer_recompute(choices)
     times = []
     for _ in range(repeats):
         model.zero_grad(set_to_none=True)
-        device.synchronize()
-        start = time.perf_counter()
-        forward().backward()
-        device.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
+        with device.StepTimer() as timer:
+            forward().backward()
+        times.append(timer.ms)
     model.zero_grad(set_to_none=True)
     times.sort()
     return times[len(times) // 2]

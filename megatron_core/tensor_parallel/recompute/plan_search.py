@@ -47,8 +47,10 @@ class OptionMeasure:
 
 @dataclasses.dataclass(frozen=True)
 class StageMeasure:
-    """A stage's measurements (NOTE [ Recompute planner ], rule 2); bytes above the model
-    states, ``static`` the model states themselves."""
+    """A stage's measurements (NOTE [ Recompute planner ], rule 2); bytes above what is
+    allocated as a step begins, ``static`` that itself (the allocator's total, nothing
+    subtracted, plus the optimizer states its first step will make), ``states`` the model
+    states among it (counted from the objects; shown, not added)."""
 
     layers: int
     static: int
@@ -68,6 +70,7 @@ class StageMeasure:
     # model, every held microbatch keeping what the largest chunk keeps
     chunk_stages: tuple[StageMeasure, ...] = ()
     order: tuple[tuple[bool, int], ...] = ()
+    states: int = 0  # the model states among ``static`` (rule 2)
 
 
 def headroom(stage: StageMeasure, budget: int, measured: bool = False) -> int:
@@ -102,7 +105,7 @@ def fits_when_measured(
 
 
 def predict_peak(stage: StageMeasure, choices: Sequence[str]) -> int:
-    """The step's predicted peak bytes above the model states under per-layer ``choices``
+    """The step's predicted peak bytes above ``static`` under per-layer ``choices``
     (NOTE [ Recompute planner ], rule 3): the first microbatch's backward, and with more
     microbatches the later ones' (the gradients allocated throughout), each beside the
     other microbatches the schedule holds at once; with the interleaved schedule's ``order``,
@@ -265,7 +268,7 @@ def _pareto(states: dict) -> dict:
 
 
 def smallest_fit(stage: StageMeasure) -> tuple[int, list[str]]:
-    """The smallest limit (bytes above the model states, to 0.1%) at which :func:`search_plan`
+    """The smallest limit (bytes above ``static``, to 0.1%) at which :func:`search_plan`
     finds a plan, and that plan's choices (a bisection over the limit)."""
     low = 0
     high = stage.pre + stage.head + stage.head_left + stage.tail + stage.layers * max(
