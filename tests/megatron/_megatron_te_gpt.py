@@ -230,3 +230,74 @@ def train(run: TeRun, full: dict[str, torch.Tensor]) -> dict:
     final = {names[n]: unshard(p, p, names[n]) for n, p in params.items()}
     kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("TE")})
     return {"losses": losses, "grads": grads, "params": final, "te_modules": kinds}
+
+
+def _fp8_extra_state() -> torch.Tensor:
+    """A Transformer Engine >= 2.0 extra state with delayed-scaling FP8 metadata, as a GPU run
+    with FP8 writes it (NOTE [ Extra state of Transformer Engine modules ], rule 3)."""
+    import pickle
+
+    from megatron_core.transformer_engine.common.recipe import DelayedScaling
+
+    state = {
+        "recipe": DelayedScaling(amax_history_len=4),
+        "scale_fwd": torch.ones(3),
+        "amax_history_fwd": torch.zeros(4, 3),
+        "scale_bwd": torch.ones(2),
+        "amax_history_bwd": torch.zeros(4, 2),
+        "extra_fp8_variables": {"num_gemms": 1, "fp8_checkpoint": True},
+    }
+    return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+
+FP8_MODULE = "decoder.layers.0.self_attention.linear_proj"
+
+
+def save_checkpoint(run: TeRun, full: dict[str, torch.Tensor], directory: str) -> dict:
+    """Save the TE-spec model with megatron-core's dist_checkpointing (one module carrying FP8
+    metadata in its extra state); return the unsharded parameters and the extra-state keys."""
+    import warnings
+
+    initialize(run)
+    from megatron.core import dist_checkpointing
+
+    model = build_model(run)
+    names = local_names(model, run)
+    load(model, names, full)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the stand-in keeps FP8 metadata" (rule 3)
+        model.get_submodule(FP8_MODULE).set_extra_state(_fp8_extra_state())
+    sharded = model.sharded_state_dict()
+    dist_checkpointing.save(sharded, directory)
+    params = {names[n]: unshard(p, p, names[n]) for n, p in model.named_parameters()}
+    return {
+        "params": params,
+        "extra": sorted(k for k in sharded if k.endswith("_extra_state")),
+        "fp8 state": model.get_submodule(FP8_MODULE).get_extra_state().clone(),
+    }
+
+
+def load_checkpoint(run: TeRun, directory: str) -> dict:
+    """Load it into a fresh TE-spec model (another seed) with strict load_state_dict."""
+    import warnings
+
+    initialize(dataclasses.replace(run, seed=run.seed + 1))
+    from megatron.core import dist_checkpointing
+
+    model = build_model(run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = dist_checkpointing.load(model.sharded_state_dict(), directory)
+        model.load_state_dict(state)
+    names = local_names(model, run)
+    params = {names[n]: unshard(p, p, names[n]) for n, p in model.named_parameters()}
+    others = [
+        v.numel()
+        for k, v in model.state_dict().items()
+        if k.endswith("_extra_state") and isinstance(v, torch.Tensor) and FP8_MODULE not in k
+    ]
+    return {
+        "params": params,
+        "fp8 state": model.get_submodule(FP8_MODULE).get_extra_state().clone(),
+        "other extra states empty": all(size == 0 for size in others),
+    }
