@@ -137,14 +137,15 @@ class HyperCommGrid:
 
         Args:
             name: the view's name, passed as ``view=`` to the other methods.
-            shape / dim_names: its dimensions, fastest-varying first; the product must equal the
+            shape, dim_names: its dimensions, fastest-varying first; the product must equal the
                 grid's size.
             shared_dims: names in both views whose groups must coincide with the base grid's.
 
         Raises:
-            ConfigError (a ValueError, as megatron-core raises): a taken name, mismatched
-            lengths, duplicate or unknown names, a size that differs from the grid's, or a shared
-            dim whose groups differ between the views (the message shows both enumerations).
+            ConfigError: (a ValueError, as megatron-core raises) a taken name, mismatched
+                lengths, duplicate or unknown names, a size that differs from the grid's, or a
+                shared dim whose groups differ between the views (the message shows both
+                enumerations).
         """
         what = f"HyperCommGrid.register_view({name!r})"
         if name in self._views:

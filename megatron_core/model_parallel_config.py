@@ -108,7 +108,7 @@ def resolve_tensor_parallel_weight_shards(
         tensor_model_parallel_size: the (expert) tensor-parallel size.
         tensor_parallel_num_weight_shards: total shards per weight, or None.
         gtp_weight_remat_size: the remat size used when the shards are None.
-        shards_field / tp_field: the names the error message uses.
+        shards_field, tp_field: the names the error message uses.
 
     Returns:
         ``(tensor_parallel_num_weight_shards, gtp_weight_remat_size)``.
