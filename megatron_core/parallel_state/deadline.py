@@ -17,11 +17,11 @@
    enter the collective. Nothing is written before the deadline: the happy path costs a
    dictionary update per wait. The key is the group's ranks, the operation and a count of this
    process's waits on that group, equal on ranks that made the same calls.
-5. Every rank must use the same deadline: ``initialize_model_parallel`` agrees on it with its
-   other arguments (a rank with another value raises on every rank).
 4. NCCL (and the per-device ``cuda:nccl,cpu:gloo`` map) is left to torch: NCCL's own watchdog
    ends a collective that a peer never joins after the group timeout, and a host-side wait would
    stall the device queue that the package's asynchronous NCCL work is built to keep full.
+5. Every rank must use the same deadline: ``initialize_model_parallel`` agrees on it with its
+   other arguments (a rank with another value raises on every rank).
 """
 
 from __future__ import annotations

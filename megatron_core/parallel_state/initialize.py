@@ -103,10 +103,10 @@ def initialize_model_parallel(
             for all-gathers that should not queue behind reduce-scatters.
         pipeline_model_parallel_split_rank: (extension, keyword only) encoder/decoder split
             stage; it joins the embedding groups. Exclusive with get_embedding_ranks.
-        gtp_remat_size / expert_gtp_remat_size: (megatron-core 0.19, keyword only here) the
+        gtp_remat_size, expert_gtp_remat_size: (megatron-core 0.19, keyword only here) the
             generalized-TP weight-remat sizes; only 1 is supported (ConfigError otherwise). The
             remat groups then hold one rank each (get_gtp_weight_remat_group).
-        rank_offset / local_world_size: (megatron-core 0.17, keyword only here) lay the grids
+        rank_offset, local_world_size: (megatron-core 0.17, keyword only here) lay the grids
             over global ranks ``rank_offset .. rank_offset + local_world_size - 1`` (default:
             from 0, the whole world). Every rank still calls this with the same arguments; a
             rank outside that range belongs to no model-parallel group.
