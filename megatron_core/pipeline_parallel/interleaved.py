@@ -147,10 +147,11 @@ def forward_backward_pipelining_with_interleaving(
         on the last stage, ``loss_func``'s dicts (one per microbatch); else [].
 
     Raises:
-        MegatronCoreError (a RuntimeError / AssertionError) or ConfigError (also a ValueError),
-        as megatron-core raises them, before any communication: model / data_iterator not
-        lists of equal length, ``adjust_tensor_shapes_fn`` given, ``overlap_p2p_comm`` with
-        ``batch_p2p_comm``, a group size outside [pp, m], a last group of 1..pp-1 microbatches.
+        MegatronCoreError: (a RuntimeError / AssertionError) or ConfigError (also a ValueError),
+            as megatron-core raises them, before any communication: model / data_iterator not
+            lists of equal length, ``adjust_tensor_shapes_fn`` given, ``overlap_p2p_comm`` with
+            ``batch_p2p_comm``, a group size outside [pp, m], a last group of 1..pp-1
+            microbatches.
     """
     tp_group, cp_group = parallel_groups(pg_collection)
     p2p = communicator(p2p_communicator, pg_collection, None)

@@ -219,9 +219,9 @@ def forward_backward_pipelining_without_interleaving(
         on the last stage, the list of ``loss_func``'s dicts (one per microbatch); else [].
 
     Raises:
-        ConfigError (a ValueError, as megatron-core raises): ``config.overlap_p2p_comm`` (1F1B
-            does not overlap). MegatronCoreError: the checks every schedule makes. Both before
-            any communication.
+        ConfigError: (a ValueError, as megatron-core raises) ``config.overlap_p2p_comm`` (1F1B
+            does not overlap), before any communication.
+        MegatronCoreError: the checks every schedule makes, before any communication.
     """
     model = one_chunk(model, "model")
     data_iterator = one_chunk(data_iterator, "data_iterator")
