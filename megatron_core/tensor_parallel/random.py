@@ -9,22 +9,26 @@ path ``tensor_parallel.random.checkpoint``), from ``recompute/entry_points.py``.
 
 # NOTE [ RNG streams ]
 1. Streams. The tracker holds named generator states for the *device* generator. After
-   ``model_parallel_cuda_manual_seed(seed)``:
+   ``model_parallel_cuda_manual_seed(seed)``::
+
      default generator     = seed   (outside any fork; also the CPU generator, see rule 6)
      "data-parallel-rng"   = seed
      "model-parallel-rng"  = seed + 2718 + tp_rank
      "expert-parallel-rng" = seed + 1024 + 100 * ep_rank + etp_rank   (etp: expert tensor parallel)
+
    These are megatron-core's names and values, so a ported model draws the same numbers.
 2. Where each is used. Dropout on activations that are *replicated* across a TP group (outside
    tensor-parallel regions) draws from the default stream. Dropout on *split* activations (inside a
    TP region, e.g. attention probabilities per head shard) and init of split weights draw inside
    ``tracker.fork()`` ("model-parallel-rng"). Expert layers use "expert-parallel-rng".
 3. What must hold (checked by ``audit_rng_streams``):
+
    a. default and "data-parallel-rng" are EQUAL across the ranks of a TP group;
    b. "model-parallel-rng" is DISTINCT across the ranks of a TP group and EQUAL across the
       data-parallel group (replicas holding the same TP shard);
    c. "expert-parallel-rng" is DISTINCT across the tensor x expert group and EQUAL across the
       data-modulo-expert group (replicas of the same expert shard).
+
    Break (a) and replicated activations get different masks on different TP ranks, so the shards
    disagree; break (b) and every shard drops the same units. Neither raises: training is wrong.
 4. Fork. ``fork(name)`` swaps stream ``name`` into the device generator and, on exit (also when

@@ -44,12 +44,13 @@ class InferenceLinear(_ParallelLinearBase):
     Shapes: "column" [s/tp or s, b, in] -> [s, b, out/tp]; "row" [s, b, in/tp] ->
     [s/tp or s, b, out]; None / "duplicated" [..., in] -> [..., out].
 
+    ``config``, ``init_method``, ``bias``, ``skip_bias_add``, ``skip_weight_param_allocation``,
+    ``is_expert`` and ``tp_group`` are as for ColumnParallelLinear (weights initialized the same
+    way, so a "column" weight equals ColumnParallelLinear's for the same seed).
+
     Args:
-        input_size / output_size: the full weight's sizes (split ones divisible by tp).
+        input_size, output_size: the full weight's sizes (split ones divisible by tp).
         parallel_mode: None, "duplicated", "column" or "row".
-        config, init_method, bias, skip_bias_add, skip_weight_param_allocation, is_expert,
-        tp_group: as for ColumnParallelLinear (weights initialized the same way, so a
-            "column" weight equals ColumnParallelLinear's for the same seed).
         tp_comm_buffer_name, symmetric_ar_type, name: Transformer Engine's; unused.
 
     Raises:

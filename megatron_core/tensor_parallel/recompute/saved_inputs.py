@@ -184,7 +184,7 @@ class SavedInputs:
 
     @property
     def group(self) -> dist.ProcessGroup | None:
-        """The group distributed inputs are split over (None: parallel_state's TP group)."""
+        """The group distributed inputs are split over (None for parallel_state's TP group)."""
         return self.options.tp_group
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
