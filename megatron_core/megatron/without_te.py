@@ -36,8 +36,14 @@ a table of adapters applied to megatron-core modules as the switch imports them.
    adapted at all.
 6. :func:`disarm` stops adapting later imports; adapted modules keep their adapters.
    :func:`put_back` also gives back what an adapter replaced (rules 3-5: a new object in the
-   module's place); rule 2 changes megatron-core's class in place and stays. The pytest plugin
-   puts back at the end of its session.
+   module's place); rules 2 and 7 change megatron-core's class in place and stay. The pytest
+   plugin puts back at the end of its session.
+7. megatron-core 0.19's ``HybridStack`` (``HybridModel``'s layers) is refused, before it builds
+   any layer, when its layer types include one whose kernels are CUDA-only and whose package is
+   not importable: Mamba (``M``: mamba-ssm, causal-conv1d) and GatedDeltaNet (``G``:
+   flash-linear-attention). The message names the layer type, its symbol and the package;
+   attention (``*``), MLP (``-``) and MoE (``E``) layers run on this package (with the
+   Transformer Engine stand-in). Where the package imports, the layer is megatron-core's.
 """
 
 from __future__ import annotations
@@ -189,6 +195,36 @@ def _answer_without_te(original):
     return is_te_min_version
 
 
+# Rule 7: layer symbol -> (layer type, the package whose import decides, what to install).
+_CUDA_ONLY_LAYERS = {
+    "M": ("Mamba", "mamba_ssm", "mamba-ssm and causal-conv1d"),
+    "G": ("GatedDeltaNet", "fla", "flash-linear-attention"),
+}
+
+
+def _refuse_cuda_only_layers(cls):
+    """Rule 7."""
+    import importlib.util
+
+    original_init = cls.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, config, submodules, *args, layer_type_list=None, **kwargs):
+        for symbol in dict.fromkeys(layer_type_list or ()):
+            layer, package, install = _CUDA_ONLY_LAYERS.get(symbol, (None, None, None))
+            if layer is not None and importlib.util.find_spec(package) is None:
+                raise MegatronCoreError(
+                    f"HybridStack: layer type {symbol!r} ({layer}) in layer_type_list "
+                    f"{''.join(layer_type_list)!r} needs {install}, whose kernels are CUDA-only "
+                    f"(Triton / CUDA) and which is not importable here; this package runs the "
+                    f"attention ('*'), MLP ('-') and MoE ('E') layers"
+                )
+        original_init(self, config, submodules, *args, layer_type_list=layer_type_list, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
 ADAPTERS: dict[str, dict[str, object]] = {
     "megatron.core.utils": {"is_te_min_version": _answer_without_te},
     "megatron.core.jit": {"jit_fuser": _compile_on_first_call},
@@ -198,6 +234,7 @@ ADAPTERS: dict[str, dict[str, object]] = {
     "megatron.core.models.common.embeddings.rope_utils": {
         "get_pos_emb_on_this_cp_rank": _pos_emb_on_this_cp_rank
     },
+    "megatron.core.models.hybrid.hybrid_block": {"HybridStack": _refuse_cuda_only_layers},
 }
 _ADAPTED: set[str] = set()  # modules already adapted (once per module object)
 _REPLACED: list[tuple[object, str, object, object]] = []  # (module, name, original, adapted)

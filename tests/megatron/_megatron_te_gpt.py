@@ -149,9 +149,11 @@ def local_names(model, run: TeRun) -> dict[str, str]:
     return mine
 
 
-def _gated(name: str) -> bool:
-    return name.endswith("mlp.linear_fc1.weight") or (
-        "linear_fc1.weight" in name and ".experts." in name
+def _gated(name: str, gated: bool = True) -> bool:
+    """Whether ``name`` is a gated (SwiGLU) FC1 weight: [gate; up], each half split over TP."""
+    return gated and (
+        name.endswith("mlp.linear_fc1.weight")
+        or ("linear_fc1.weight" in name and ".experts." in name)
     )
 
 
@@ -163,7 +165,7 @@ def _group_of(param):
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def unshard(param, tensor, canonical: str) -> torch.Tensor:
+def unshard(param, tensor, canonical: str, gated: bool = True) -> torch.Tensor:
     """``tensor`` (the param or its gradient) gathered over its TP group, a gated FC1's
     [gate_r; up_r] shards put back as [gate; up]."""
     group = _group_of(param)
@@ -172,13 +174,13 @@ def unshard(param, tensor, canonical: str) -> torch.Tensor:
         return tensor.detach().cpu().clone()
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor.detach().contiguous(), group=group)
-    if _gated(canonical):
+    if _gated(canonical, gated):
         halves = [p.chunk(2) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves]).cpu()
     return torch.cat(parts, dim=param.partition_dim).cpu()
 
 
-def load(model, names: dict[str, str], full: dict[str, torch.Tensor]) -> None:
+def load(model, names: dict[str, str], full: dict[str, torch.Tensor], gated: bool = True) -> None:
     """Copy this rank's cut of ``full`` (local TP = 1 names) into ``model``."""
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -187,7 +189,7 @@ def load(model, names: dict[str, str], full: dict[str, torch.Tensor]) -> None:
             group = _group_of(param)
             size, rank = dist.get_world_size(group), dist.get_rank(group)
             if getattr(param, "tensor_model_parallel", False) and size > 1:
-                if _gated(canonical):
+                if _gated(canonical, gated):
                     gate, up = value.chunk(2)
                     value = torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]])
                 else:
