@@ -11,6 +11,7 @@
    by these global positions, never by local indices, so every algorithm below masks exactly as
    the unsplit sequence would.
 2. The three algorithms (``cp_comm_type``, megatron-core's names), all over the CP group:
+
    - ``all_gather``: K and V are all-gathered, this rank's queries attend to every key; in
      backward K and V are gathered again and the dK / dV every rank computed for every block are
      summed onto their owners by a reduce-scatter (in fp32).

@@ -325,9 +325,10 @@ def context_parallel_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax attention of this rank's queries over the whole sequence's keys, the sequence
-    split over the context-parallel group as :func:`~megatron_core.context_parallel.
-    split_for_context_parallel` splits it (NOTE [ Context parallelism ]); each block on torch's
-    fused kernels where the inputs allow (NOTE [ Fused attention ], rule 3).
+    split over the context-parallel group as
+    :func:`~megatron_core.context_parallel.split_for_context_parallel` splits it (NOTE
+    [ Context parallelism ]); each block on torch's fused kernels where the inputs allow (NOTE
+    [ Fused attention ], rule 3).
 
     Args:
         query: [s/cp, b, h, d], this rank's positions (megatron-core's sbhd layout).
@@ -342,8 +343,8 @@ def context_parallel_attention(
             columns the whole sequence in order), on top of ``causal``; None: none.
         dropout_p: dropout on the attention probabilities, drawn from the current generator
             (the caller's fork); p2p and all_gather only (NOTE [ Fused attention ], rule 4).
-        backend: "auto", "fused" or "unfused" (:data:`~megatron_core.attention.
-            ATTENTION_BACKENDS`).
+        backend: "auto", "fused" or "unfused"
+            (:data:`~megatron_core.attention.ATTENTION_BACKENDS`).
 
     Returns:
         [s/cp, b, h, d] in the query's dtype (merges and dK / dV sums in fp32).
