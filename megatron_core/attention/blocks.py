@@ -27,7 +27,7 @@ class AttentionBlocks:
     the unfused fp32 computation, and reports it (NOTE [ Fused attention ], rule 2).
 
     Tensors are [b, h, s, d]; K/V may have fewer heads (GQA: repeated here). Outputs, lse and
-    gradients come back in :attr:`acc` (fp32; fp64 for fp64 inputs), for the caller's merges and
+    gradients come back in ``acc`` (fp32; fp64 for fp64 inputs), for the caller's merges and
     sums.
 
     Args:
