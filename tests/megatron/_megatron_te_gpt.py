@@ -32,6 +32,7 @@ class TeRun:
     tp: int = 1
     sp: bool = False
     ep: int = 1
+    cp: int = 1  # context parallel: the stand-in's DotProductAttention on context_parallel
     moe: bool = False  # experts: TE spec with GroupedLinear, local spec with SequentialMLP
     steps: int = 2
     seed: int = 1234
@@ -42,7 +43,9 @@ def initialize(run: TeRun) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=run.tp, expert_model_parallel_size=run.ep
+        tensor_model_parallel_size=run.tp,
+        expert_model_parallel_size=run.ep,
+        context_parallel_size=run.cp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(run.seed)
 
@@ -70,6 +73,7 @@ def config_of(run: TeRun):
         activation_func=F.silu,
         add_bias_linear=False,
         tensor_model_parallel_size=run.tp,
+        context_parallel_size=run.cp,
         sequence_parallel=run.sp,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -208,7 +212,10 @@ def train(run: TeRun, full: dict[str, torch.Tensor]) -> dict:
     """``run.steps`` SGD steps (direct forward / backward, megatron's finalize_model_grads for
     the sequence-parallel norms); per step the loss and the unsharded gradients by local name."""
     initialize(run)
+    from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
+
+    from megatron_core.context_parallel import get_batch_on_this_cp_rank
 
     model = build_model(run)
     names = local_names(model, run)
@@ -221,12 +228,18 @@ def train(run: TeRun, full: dict[str, torch.Tensor]) -> dict:
     losses, grads = [], []
     for step in range(run.steps):
         optimizer.zero_grad()
-        data = batch(step)
+        data = get_batch_on_this_cp_rank(batch(step)) if run.cp > 1 else batch(step)
         out = model(data["input_ids"], data["position_ids"], None, labels=data["labels"])
+        # under CP each rank's mean over its tokens: finalize_model_grads averages the
+        # gradients over the data x context ranks (equal token counts: the global mean's)
         loss = out.float().mean()
         loss.backward()
         finalize_model_grads([model])
-        losses.append(loss.detach().cpu())
+        reported = loss.detach()
+        if run.cp > 1:
+            dist.all_reduce(reported, group=parallel_state.get_context_parallel_group())
+            reported = reported / run.cp
+        losses.append(reported.cpu())
         grads.append({names[n]: unshard(p, p.grad, names[n]) for n, p in params.items()})
         optimizer.step()
     final = {names[n]: unshard(p, p, names[n]) for n, p in params.items()}

@@ -5,7 +5,8 @@ GQA + RoPE (through the stand-in's fused RoPE) + SwiGLU + RMSNorm, no biases, fp
 every gradient of two SGD steps, and the final parameters, within 1e-5 relative (atol 1e-6):
 the layers compute the same products, summed in other orders (fused norm + GEMM, sharded
 matmuls and their reductions, the attention core's kernel). At TP 1 and 2, with and without
-sequence parallelism (against the local spec without it, which refuses SP without apex). MoE:
+sequence parallelism (against the local spec without it, which refuses SP without apex), and at
+CP 2 (the stand-in's DotProductAttention over ``context_parallel``, no adapter). MoE:
 the TE spec's GroupedLinear experts equal the local spec's SequentialMLP, at EP 1 and 2.
 Bodies in ``_megatron_te_gpt.py``.
 """
@@ -51,10 +52,10 @@ def assert_equal_runs(expected: dict, per_rank: list[dict]) -> None:
         torch.testing.assert_close(merged[name], param, **TOL, msg=f"final {name}")
 
 
-@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)])
-def test_te_spec_equals_local_spec(tp, sp, dense_start, dense_local):
-    run = dataclasses.replace(DENSE, tp=tp, sp=sp)
-    per_rank = run_distributed(train, tp, run, dense_start, timeout=TIMEOUT)
+@pytest.mark.parametrize("tp, sp, cp", [(1, False, 1), (2, False, 1), (2, True, 1), (1, False, 2)])
+def test_te_spec_equals_local_spec(tp, sp, cp, dense_start, dense_local):
+    run = dataclasses.replace(DENSE, tp=tp, sp=sp, cp=cp)
+    per_rank = run_distributed(train, tp * cp, run, dense_start, timeout=TIMEOUT)
     assert per_rank[0]["te_modules"] == [
         "TEDotProductAttention",
         "TELayerNormColumnParallelLinear",
