@@ -99,6 +99,9 @@ def call_site() -> str:
 
 
 def readable(op, tensor, shape, dtype, args, error) -> dict[str, str]:
+    """The fields one rank reports for the slow path, as text: ``op``, the shape and dtype
+    (``shape`` / ``dtype`` where given, else ``tensor``'s), each of ``args`` by name, the call
+    site, and ``error`` (the exception this rank's collective raised, or None)."""
     if tensor is not None:
         shape = tuple(tensor.shape) if shape is None else shape
         dtype = tensor.dtype if dtype is None else dtype
@@ -115,6 +118,9 @@ def readable(op, tensor, shape, dtype, args, error) -> dict[str, str]:
 
 
 def message(op: str, group: dist.ProcessGroup, per_rank: list[dict[str, str]]) -> str:
+    """The one message every rank of ``group`` raises, from every rank's :func:`readable`
+    fields (``per_rank``, by group rank): the ranks where ``op`` failed, with their errors;
+    else each field on which the ranks disagree, with every rank's value."""
     ranks = dist.get_process_group_ranks(group) if group is not dist.group.WORLD else None
     ranks = ranks or list(range(len(per_rank)))
 
