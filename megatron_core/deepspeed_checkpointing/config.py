@@ -114,6 +114,8 @@ def check_settings(settings: Settings) -> None:
 
 
 def check_mpu(mpu_: Any) -> None:
+    """Raise a MegatronCoreError unless ``mpu_`` has the tensor-parallel rank, world size and
+    group getters, under megatron-core's names or DeepSpeed's older ``get_model_parallel_*``."""
     for prefix in ("get_tensor_model_parallel_", "get_model_parallel_"):
         if all(hasattr(mpu_, prefix + s) for s in ("rank", "world_size", "group")):
             return
