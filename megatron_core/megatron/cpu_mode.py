@@ -316,7 +316,7 @@ class CpuStream(compat.CPU_STREAM_BASE):
 
     Args:
         device: ignored (the CPU).
-        priority: kept as :attr:`priority`; it changes nothing.
+        priority: kept as ``priority``; it changes nothing.
     """
 
     def __init__(self, device=None, priority: int = 0, **kwargs) -> None:

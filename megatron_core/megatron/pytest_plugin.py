@@ -41,6 +41,7 @@ _STATE = _Session()
 
 
 def pytest_addoption(parser) -> None:
+    """pytest hook: the ``--megatron-core-switch`` and ``--megatron-core-step-timeout`` flags."""
     group = parser.getgroup("megatron_core")
     group.addoption(
         SWITCH_FLAG,
@@ -111,6 +112,8 @@ def _pytest_timeout(config) -> float | None:
 
 
 def pytest_runtest_logreport(report) -> None:
+    """pytest hook: a failed phase of a test is kept, to be printed if ranks fall out of step
+    (the session's own summary is not printed then)."""
     if _STATE.steps is not None and report.failed:
         _STATE.steps.failures.append(f"{report.nodeid} ({report.when}):\n{report.longreprtext}")
 
