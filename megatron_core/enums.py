@@ -24,7 +24,7 @@ class ModelType(enum.Enum):
 
     @property
     def encoder_and_decoder(self):
-        """Removed in megatron-core: reading it raises ValueError naming the replacement."""
+        """Removed in megatron-core; reading it raises ValueError naming the replacement."""
         raise ValueError(
             f"ModelType.encoder_and_decoder was removed (read on {self!r}); "
             "use ModelType.encoder_or_decoder"

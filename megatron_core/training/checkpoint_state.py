@@ -70,7 +70,7 @@ class Shard:
 
     @property
     def empty(self) -> bool:
-        """True when this rank holds none of it (its slice is all padding): not saved."""
+        """True when this rank holds none of it (its slice is all padding), so it is not saved."""
         return any(size == 0 for size in self.tensor.shape)
 
 
