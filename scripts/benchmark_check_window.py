@@ -23,8 +23,9 @@ default flags plus ``--tp`` / ``--pp`` and ``--extra``) and then:
    ratio, and the median of the per-round ratios; the same for the CPU time the process used
    (``time.process_time``: less disturbed by other jobs on a shared machine than wall-clock
    time, and the checks' cost is CPU work plus a small exchange); the consistency exchanges
-   counted in each mode's rounds (the default mode adds none once its windows are closed; both
-   modes keep the always-on cross-entropy target agreement).
+   counted in each mode's rounds (once its windows are closed the default mode adds a head and
+   a digest per group and iteration, NOTE [ Check window ], rules 5-6; both modes keep the
+   always-on cross-entropy target agreement).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import consistency, device, parallel_state
-from megatron_core.consistency import CheckMode, checks
+from megatron_core.consistency import CheckMode, checks, digest
 from megatron_core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_core.training import (
     ByteCorpus,
@@ -56,24 +57,31 @@ _HOOKS = [0]
 
 
 def _count_exchanges() -> None:
-    """Count every consistency exchange (the all-gather of checks._exchange) and every call of
-    the switch (checks.should_check: one per collective hook) on this rank."""
-    exchange, should_check = checks._exchange, checks.should_check
+    """Count every consistency exchange (the all-gathers of checks._exchange: the window's
+    checks, the heads and the always-on agreements; of digest._exchange: the per-iteration
+    digests) and every decision of the switch (checks._decide: one per collective hook) on
+    this rank."""
+    exchange, digest_exchange, decide = checks._exchange, digest._exchange, checks._decide
 
     def counted(*args, **kwargs):
         _EXCHANGES[0] += 1
         return exchange(*args, **kwargs)
 
+    def counted_digest(*args, **kwargs):
+        _EXCHANGES[0] += 1
+        return digest_exchange(*args, **kwargs)
+
     def counted_hook(group):
         _HOOKS[0] += 1
-        return should_check(group)
+        return decide(group)
 
-    checks._exchange, checks.should_check = counted, counted_hook
+    checks._exchange, digest._exchange, checks._decide = counted, counted_digest, counted_hook
 
 
 def _hook_costs_us(group) -> dict[str, float]:
     """Per call, microseconds: the collective hook and the embedding-id check, window closed
-    (``set_window(0)``: the code path after the window) and checks off."""
+    (``set_window(0)``: the code path after the window, each call a record of the digest) and
+    checks off."""
     ids = torch.zeros(8, 128, dtype=torch.long, device=device.current_device())
     costs = {}
     for name, mode in (("default", CheckMode.WINDOW), ("off", CheckMode.OFF)):
@@ -87,6 +95,7 @@ def _hook_costs_us(group) -> dict[str, float]:
         for _ in range(2000):
             checks.check_ids("embedding", group, ids, 256)
         costs[f"{name} ids"] = (time.perf_counter() - start) / 2000 * 1e6
+        digest.discard()  # the records no digest will compare
     consistency.set_window(None)
     consistency.set_mode(None)
     return costs
@@ -214,7 +223,7 @@ def run(argv: list[str], rounds: int, iters: int, warmup: int) -> list[str] | No
         f"{median['default cpu'] / median['off cpu']:.4f}; median per-round ratio "
         f"{statistics.median(cpu_ratios):.4f}",
         f"consistency exchanges in the steady rounds (the most on one rank, per round, summed): "
-        f"default {exchanges['default']}, "
+        f"default {exchanges['default']} (with the heads and digests), "
         f"off {exchanges['off']} (the always-on cross-entropy target agreement)",
         f"switch after the window, per call: collective hook {hook['default hook']:.2f} us "
         f"(off {hook['off hook']:.2f}), embedding-id check {hook['default ids']:.1f} us (off "

@@ -81,6 +81,34 @@ def _build(args):
     return model, config
 
 
+def _dropout_swaps(step) -> list[tuple[float, float]]:
+    """The CPU mode's swap of the device stream around each dropout (NOTE [ RNG streams ], rule
+    6): how many one step makes (counted by wrapping random.device_rng, whose name the CPU mode
+    looks up per call) and what one costs alone (CPU microseconds, 2000 empty swaps)."""
+    import contextlib
+
+    from megatron_core.tensor_parallel import random as tp_random
+
+    original, count = tp_random.device_rng, [0]
+
+    @contextlib.contextmanager
+    def counting():
+        count[0] += tp_random._device_stream_apart()  # a swap happens only then
+        with original():
+            yield
+
+    tp_random.device_rng = counting
+    try:
+        step()
+    finally:
+        tp_random.device_rng = original
+    start = time.process_time()
+    for _ in range(2000):
+        with original():
+            pass
+    return [(float(count[0]), (time.process_time() - start) / 2000 * 1e6)]
+
+
 def _rank(rank: int, impl: str, args, port: int, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -158,6 +186,7 @@ def _rank(rank: int, impl: str, args, port: int, queue) -> None:
             wall_max = both[1:].clone()
             dist.all_reduce(wall_max, op=dist.ReduceOp.MAX)
             times[mode].append((cpu_sum.item(), wall_max.item()))
+    times["swap"] = _dropout_swaps(step)
     if rank == 0:
         queue.put(times)
     dist.barrier()
@@ -182,11 +211,13 @@ def main() -> None:
     args = parser.parse_args()
     tempfile.tempdir = tempfile.mkdtemp()
     rounds = {"default": [], "off": [], "own": []}
+    swaps = {}  # launch kind -> (dropout swaps per step, CPU us per swap) on rank 0
     paired, later, against_own = [], [], []  # per-round CPU ratios
     rest = {"default": 0.0, "off": 0.0, "own": 0.0}  # CPU s after each launch's first round
     for _ in range(args.launches):
         ours = run_ranks(_rank, args.tp, "ours", args)
         own = run_ranks(_rank, args.tp, "own", args)
+        swaps["ours"], swaps["own"] = ours.pop("swap")[0], own.pop("swap")[0]
         paired += [d[0] / o[0] for d, o in zip(ours["default"], ours["off"])]
         later += paired[len(paired) - args.rounds + 1 :]
         against_own += [d[0] / o[0] for d, o in zip(ours["default"][1:], own["own"][1:])]
@@ -217,6 +248,14 @@ def main() -> None:
         f"total CPU: {total['default'] / total['own']:.4f}"
     )
     print(f"ours off / own modules, median CPU: {med['off'] / med['own']:.4f}")
+    for kind, (count, cost) in swaps.items():
+        per_rank_step = statistics.median(c for c, _ in rounds[kind if kind == "own" else "off"])
+        per_rank_step /= args.steps * args.tp  # CPU s of one rank's step
+        print(
+            f"{kind}: the CPU mode's dropout swap of the device stream: {count:.0f} per step "
+            f"(rank 0), {cost:.2f} us each alone: {count * cost / 1e6 / per_rank_step:.4%} of a "
+            "rank's step"
+        )
     if later:  # the first round of each launch left out: the window's steps are there
         print(
             f"after the first round: default / off {statistics.median(later):.4f} (median of "
