@@ -13,18 +13,20 @@ reinterpret bytes. This module gives the package two primitives, used as switch.
   value (the readable values are gathered only on this slow path).
 * :func:`agreed_errors` wraps local checks: an error raised on one rank is shared through
   :func:`agree`, so its peers raise it too instead of blocking in the next collective.
-* The switch (switch.py, :class:`CheckMode`): by default (``WINDOW``) the first collectives of
-  each group -- 4096 by default, a training iteration of usual models -- first call
-  :func:`check_collective` (an :func:`agree` on their inputs), then none (NOTE [ Check window ]
-  in switch.py). Check mode (``ALWAYS``: ``MEGATRON_CORE_CHECK_CONSISTENCY=1``,
-  ``set_mode("always")``, :func:`check_mode`, or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) agrees
-  every collective; ``OFF``
+* The switch (switch.py, :class:`CheckMode`): by default (``WINDOW``) the collectives of the
+  first training iterations first call :func:`check_collective` (an :func:`agree` on their
+  inputs); after them each collective is recorded in its group's per-iteration digest
+  (digest.py), compared once per iteration, and the first collective of each group in an
+  iteration is still agreed (NOTE [ Check window ] in switch.py). Check mode (``ALWAYS``:
+  ``MEGATRON_CORE_CHECK_CONSISTENCY=1``, ``set_mode("always")``, :func:`check_mode`, or
+  ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) agrees every collective; ``OFF``
   (``MEGATRON_CORE_CHECK_CONSISTENCY=0``, ``set_mode("off")``) none.
 
 Cost of a check: one extra 128-byte all_gather (per rank) before the collective, plus a few
-microseconds of Python; a latency cost, independent of the tensor size. An unchecked collective
-(off, or after the window) only reads the switch. The measurements, against torch's DETAIL
-wrapper too, are in BENCHMARKS.md ("Consistency check", ``scripts/benchmark_consistency.py``).
+microseconds of Python; a latency cost, independent of the tensor size. After the window a
+collective reads the switch and appends a record (about a microsecond); off, it only reads the
+switch. The measurements, against torch's DETAIL wrapper too, are in BENCHMARKS.md
+("Consistency check", ``scripts/benchmark_consistency.py``).
 
 torch's own machinery: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps the groups created
 while it is set and compares a fingerprint (op type, shapes, dtypes) before each raw collective,
@@ -41,8 +43,8 @@ those, and :func:`collective_failed` turns torch's errors (that mismatch, a time
 2. Every rank decides from the same gathered table, so every rank raises the same message or
    none raises: no rank is left in a collective its peers never enter. The same table closes
    a group's check window on every member alike (its last slot, not compared: NOTE [ Check
-   window ] in switch.py, rule 4); the compared arguments include each rank's consistency mode
-   and window size.
+   window ] in switch.py, rule 2); the compared arguments include each rank's consistency mode
+   and window size. The digest's exchange (digest.py) follows the same two rules.
 3. Checks run BEFORE the local validation of a collective's inputs: once shapes and arguments
    agree, a local check that depends only on them fails on every rank alike.
 4. A local check that depends on per-rank data (a rank's own rows against its split size, the

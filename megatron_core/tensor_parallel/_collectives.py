@@ -25,9 +25,11 @@ Every function returns a fresh tensor and leaves its input untouched.
 3. Gathers, scatters and all-to-all move values without arithmetic and never upcast.
 
 Disagreeing ranks (megatron_core.consistency): each collective below first calls
-``consistency.check_collective`` (a no-op outside check mode), the uneven paths and all-to-all
-always agree on their split sizes (``consistency.agreed_splits``), and a failure inside torch
-(timeout, dead peer) leaves as a CollectiveError naming the collective and the group.
+``consistency.check_collective`` (an agreement in check mode and the default window, a record of
+the per-iteration digest after it, nothing when off: NOTE [ Check window ]), the uneven paths
+and all-to-all always agree on their split sizes (``consistency.agreed_splits``), and a failure
+inside torch (timeout, dead peer) leaves as a CollectiveError naming the collective and the
+group.
 """
 
 from __future__ import annotations

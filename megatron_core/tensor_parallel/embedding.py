@@ -92,10 +92,12 @@ class VocabParallelEmbedding(torch.nn.Module):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Embed the ids ``input_`` [b, s]: [b, s, h], or [s/tp, b, h] when reduce-scattering.
 
-        Ids outside [0, num_embeddings) raise a MegatronCoreError (``consistency.check_ids``);
-        in check mode and the default window ids that differ between the ranks of the group
-        also raise, on every rank. Only with the checks off (``consistency.set_mode("off")``)
-        does an id outside every rank's range embed to zeros (megatron-core's behaviour).
+        Ids outside [0, num_embeddings) raise a MegatronCoreError (``consistency.check_ids``),
+        in the window and after it; in check mode and the default window ids that differ
+        between the ranks of the group also raise, on every rank, and after the window the
+        iteration's digest does (NOTE [ Check window ]). Only with the checks off
+        (``consistency.set_mode("off")``) does an id outside every rank's range embed to zeros
+        (megatron-core's behaviour).
         """
         consistency.check_ids("VocabParallelEmbedding", self.tp_group, input_, self.num_embeddings)
         if self.tp_size > 1:
