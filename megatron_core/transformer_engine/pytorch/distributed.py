@@ -52,7 +52,7 @@ class CudaRNGStatesTracker(tp_random.CudaRNGStatesTracker):
 
     It is this package's tracker (NOTE [ RNG streams ]), constructed without arguments as
     Transformer Engine's is; :meth:`add` also publishes the streams to
-    :func:`get_all_rng_states`.
+    :func:`~megatron_core.transformer_engine.pytorch.distributed.get_all_rng_states`.
     """
 
     def __init__(self) -> None:

@@ -208,8 +208,9 @@ class DotProductAttention(TransformerEngineBaseModule):
             checkpoint_core_attention: recompute the attention in backward.
             max_seqlen_*, cu_seqlens_*_padded, fast_zero_fill, pad_between_seqs, num_splits:
                 accepted (no effect on this path).
-            core_attention_bias_type, core_attention_bias, alibi_slopes, inference_params,
-                fp8_output: refused unless at their defaults.
+            core_attention_bias_type, core_attention_bias, alibi_slopes: refused unless at their
+                defaults.
+            inference_params, fp8_output: refused unless at their defaults.
 
         Returns:
             [sq, b, h * d] (sbhd) or [b, sq, h * d] (bshd).

@@ -34,15 +34,17 @@ class GroupedLinear(TransformerEngineBaseModule):
     (registered in that order; a bias only when ``bias``). As in Transformer Engine it does no
     tensor-parallel communication (the MoE token dispatcher does): ``parallel_mode`` and the
     group only size the weights ([out / tp, in] column, [out, in / tp] row), and a bias with
-    tp > 1 is refused. Each group's GEMM is :class:`ParallelLinear` without communication, so
+    tp > 1 is refused. Each group's GEMM is ``ParallelLinear`` without communication, so
     ``fuse_wgrad_accumulation`` behaves as in ``Linear`` (NOTE [ Transformer Engine linear ],
     rule 4).
 
+    ``in_features``, ``out_features``, ``sequence_parallel``, ``fuse_wgrad_accumulation``,
+    ``tp_group``, ``tp_size``, ``get_rng_state_tracker``, ``rng_tracker_name``, ``init_method``,
+    ``bias``, ``return_bias``, ``params_dtype``, ``parallel_mode``, ``device``,
+    ``save_original_input`` and ``name`` are as for ``Linear``.
+
     Args:
         num_gemms: the number of groups (local experts).
-        in_features, out_features, sequence_parallel, fuse_wgrad_accumulation, tp_group,
-            tp_size, get_rng_state_tracker, rng_tracker_name, init_method, bias, return_bias,
-            params_dtype, parallel_mode, device, save_original_input, name: as ``Linear``.
         ub_overlap_rs, ub_overlap_ag, delay_wgrad_compute: refused when set.
         single_grouped_weight, single_grouped_bias: (Transformer Engine 2.14's one-tensor
             layout) refused when set.

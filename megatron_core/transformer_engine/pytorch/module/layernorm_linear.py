@@ -28,9 +28,10 @@ class LayerNormLinear(_ParallelGemm):
     norm runs on this rank's sequence shard and its output is all-gathered for the GEMM
     (NOTE [ Transformer Engine linear ], rule 1); the norm's parameters are then marked
     ``sequence_parallel`` (their gradients are partial sums over the shard, summed over the
-    group by megatron-core's ``finalize_model_grads``).
+    group by megatron-core's ``finalize_model_grads``). Its arguments are :class:`Linear`'s and
+    those below.
 
-    Args (beyond :class:`Linear`'s):
+    Args:
         eps: the norm's epsilon.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
         return_layernorm_output: also return the norm's output (this rank's rows).

@@ -122,9 +122,9 @@ class Linear(_ParallelGemm):
         sequence_parallel: the input (column) / output (row) is split along dim 0 across the
             group; also marks a row bias ``sequence_parallel``.
         fuse_wgrad_accumulation: accumulate the weight gradient into ``weight.main_grad``.
-        tp_group / tp_size: the tensor-parallel group (its size wins), or only the size, with
+        tp_group, tp_size: the tensor-parallel group (its size wins), or only the size, with
             the group given later by ``set_tensor_parallel_group``.
-        get_rng_state_tracker / rng_tracker_name: initialize the weight inside that stream.
+        get_rng_state_tracker, rng_tracker_name: initialize the weight inside that stream.
         init_method: ``init_method(weight)``; default N(0, 0.023^2).
         bias, return_bias: learn a bias; return it instead of adding it.
         params_dtype: the parameters' dtype (default torch's).

@@ -11,8 +11,8 @@ class RMSNorm(_Norm):
     """Root-mean-square normalization with a learned scale (``weight``, no bias).
 
     y = x / sqrt(mean(x^2) + eps) * gamma, gamma = weight (1 + weight with
-    ``zero_centered_gamma``). Arguments as :class:`~megatron_core.transformer_engine.pytorch.
-    LayerNorm`'s.
+    ``zero_centered_gamma``). Arguments as
+    :class:`~megatron_core.transformer_engine.pytorch.LayerNorm`'s.
     """
 
     _NORMALIZATION = "RMSNorm"
