@@ -15,10 +15,12 @@ megatron-core's ``megatron.core.hyper_comm_grid``: a model that builds its own p
    dim_names ("tp", "cp", "dp") are both "dp-tp".
 3. ``get_rank_enum`` lists the groups with the remaining dims (slowest first) as the outer index
    and, inside a group, the ranks with the keyed dims row-major (the last key dim fastest).
-   Worked example, shape [2, 2, 2] over ("tp", "pp", "dp") on 8 ranks:
+   Worked example, shape [2, 2, 2] over ("tp", "pp", "dp") on 8 ranks::
+
      get_rank_enum("tp")          -> [[0, 1], [2, 3], [4, 5], [6, 7]]
      get_rank_enum("pp")          -> [[0, 2], [1, 3], [4, 6], [5, 7]]
      get_rank_enum(["tp", "dp"])  -> [[0, 1, 4, 5], [2, 3, 6, 7]]      (key "dp-tp")
+
 4. ``create_pg`` creates every group of the enumeration (``new_subgroups_by_enumeration``: all
    ranks of the world must call it, in the same order) and returns this rank's (None outside the
    grid). A key is created once; creating it again raises, because the options of the first
