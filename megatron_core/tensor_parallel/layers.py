@@ -106,7 +106,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         input_size: first dimension of A (the input features).
         output_size: second dimension of A (the output features); a multiple of the TP size.
         config: the ModelParallelConfig to read options from.
-        init_method: fills a weight tensor in place (e.g. torch.nn.init.normal_).
+        init_method: fills a weight tensor in place (e.g. ``torch.nn.init.normal_``).
         bias: add a bias (split like the output, zero-initialized).
         gather_output: all-gather the output along the last dimension, so every rank gets Y.
         stride: interleave the weight shards (see _initialize_affine_weight_cpu).

@@ -32,7 +32,7 @@ DETERMINISM_RTOL = 1e-6
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """Metadata and a cheap checksum of one tensor: sum, position-weighted sum, sum of |x|."""
+    """Metadata and a cheap checksum of one tensor: sum, position-weighted sum, sum of ``|x|``."""
 
     name: str
     shape: torch.Size

@@ -57,9 +57,9 @@ autocast replay, checksums), nonreentrant.py, without_output.py.
    positional inputs, and gives no gradient to parameters when no input requires grad (it
    warns, as torch does).
 6. Determinism check (``check_determinism=True``, off by default). Forward records a checksum
-   (float64 sum, position-weighted sum, sum of |x|) of every saved tensor (non-reentrant) and of
+   (float64 sum, position-weighted sum, sum of ``|x|``) of every saved tensor (non-reentrant) and of
    every output (both modes); the recompute compares them and raises MegatronCoreError naming
-   the first tensor that differs by more than 1e-6 of its sum of |x|. It catches randomness the
+   the first tensor that differs by more than 1e-6 of its sum of ``|x|``. It catches randomness the
    snapshot of rule 2 does not replay (a private torch.Generator) and non-deterministic ops.
 """
 
