@@ -360,7 +360,8 @@ def plan_recompute(
     schedule: Sequence[tuple[bool, int]] | None = None,
 ) -> RecomputePlan:
     """Probe ``model`` and choose per layer the recompute with the least predicted time whose
-    predicted peak fits ``budget`` (NOTE [ Recompute planner ]).
+    predicted peak fits ``budget`` (NOTE [ Recompute planner ]). The RNG streams (CPU, device,
+    tracker) are restored after the probe steps.
 
     Args:
         model: a module holding one TransformerBlock (our GPTModel, one pipeline stage's chunk
@@ -376,7 +377,6 @@ def plan_recompute(
         budget: bytes per rank (:func:`parse_memory_budget`: "2GiB", "80%", an int).
         optimizer: the optimizer whose states count towards the model states (before its
             first step, what they will take: ``pending_optimizer_state_bytes``), or None.
-        The RNG streams (CPU, device, tracker) are restored after the probe steps.
         activations_only: the budget bounds the step's peak above what is allocated as it
             begins (``static``) only.
         options: the options to weigh (default :func:`candidate_options`).
