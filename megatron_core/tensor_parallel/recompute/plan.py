@@ -25,13 +25,19 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    parameters' gradients; under autocast also weight casts a recompute made). From the "none"
    probe: ``pre`` (kept before the first layer: embeddings, inputs), the head (final norm,
    logits, loss: its peak above the last layer's mark, and what it leaves for the backward)
-   and the tail (embedding backward). The step time of each option is the median of timed
-   repeats, run round-robin over the options, each timed as the step's work on this rank
+   and the tail (embedding backward). Each option's step is timed in ``repeats`` rounds, run
+   round-robin over the options in a rotated order, as the step's work on this rank
    (``device.StepTimer``: this thread's CPU time on the CPU, CUDA events on a GPU), which
-   other processes on a shared machine do not move as they move the wall clock; an option
-   costs ``(t_o - t_none) / L`` per layer, at least its share of a layer's
-   forward FLOPs times a third of a layer's step (the fallback where timing cannot see it),
-   and at least what any option recomputing less of the layer costs. ``static``, what is
+   other processes on a shared machine do not move as they move the wall clock (beside two
+   busy loops on 2 cores a wall-clock plan swapped to one 1.16x slower). ``t_o - t_none`` is
+   the median over the rounds of the difference within a round (two steps close in time); an
+   option costs that over L per layer, at least its share of a layer's forward FLOPs times a
+   third of a layer's step (``flop_ms``: the fallback where timing cannot see it), and at
+   least what any option recomputing less of the layer costs. How far the differences spread
+   is the stage's timing noise (``noise_ms``, rule 4). Still, CPU time moves with a shared
+   machine too (a core's other hardware thread, caches): on 2 shared cores one option's cost
+   read 7 ms in one process and 20 ms in the next, so rule 4 times the plans that could be the
+   fastest side by side. ``static``, what is
    allocated as a step begins, is the allocator's total after the probes with the gradients
    dropped, nothing subtracted (``device.allocated_bytes``: ``memory_allocated`` on CUDA, a
    census of the live storages on the CPU), plus the optimizer states its first step will
@@ -96,12 +102,20 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    final K: a state is dropped when even its kept-so-far breaks the limit with them (the
    final K is at least that), and each finished plan is checked against its exact prediction.
    No plan fits: the error names the smallest budget that fits (a bisection over the budget)
-   and what that plan recomputes. Last, where the search's plan and the fastest megatron-core
-   setting that fits (rule 6) differ, both are timed (``repeats`` steps each, round-robin) and
-   the faster is the plan (``RecomputePlan.timed``): the time model is a sum of per-layer costs
-   from uniform probes, and a mixed plan's step can cost more than that sum (on a CPU one
-   layer's core-attention recompute among layers that keep theirs cost 2-4x its uniform
-   share), so the plan is never slower than megatron-core's best that fits as measured there.
+   and what that plan recomputes. Last, the plans that fit and could be the fastest are timed
+   side by side (plan_contest.py): the search's plan, the fastest megatron-core setting that
+   fits (rule 6), its rivals (``RecomputePlan.rivals``: the megatron-core settings predicted
+   within 1.5x of its overhead plus twice the noise, at most two, and the search's plan under
+   the FLOP-share costs alone) and the near-budget edges below. Where they differ, each runs
+   at least 5 rounds of one step, round-robin in a rotated order (the slowest rank's times),
+   and the fastest by median is the plan (``RecomputePlan.timed``), unless another is not
+   clearly slower (by 1% of the fastest's median in the median round and slower in 80% of the
+   rounds): then, among those, the one with the least FLOP share of recompute, so that a
+   difference the rounds cannot see is decided by what does not move
+   (``RecomputePlan.chosen_by``). The time model is a sum of per-layer costs from uniform
+   probes, and a mixed plan's step can cost more than that sum (on a CPU one layer's
+   core-attention recompute among layers that keep theirs cost 2-4x its uniform share), so
+   the plan is never clearly slower than megatron-core's best that fits as measured there.
    Near the budget, rule 5's 2% margin can shut out a faster plan that does fit (megatron-
    core's "none" at a budget just above its peak): the search and the megatron settings are
    weighed again without the margin, each such plan predicted faster than its guarded
@@ -164,22 +178,21 @@ import torch.distributed as dist
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel.random import get_rng_snapshot, set_rng_snapshot
+from megatron_core.tensor_parallel.recompute.plan_contest import rivals
+from megatron_core.tensor_parallel.recompute.plan_contest import timed_choice as _timed_choice
 from megatron_core.tensor_parallel.recompute.plan_measure import (
     candidate_options,
     measure_chunks,
     measure_stage,
-    stage_max,
 )
 from megatron_core.tensor_parallel.recompute.plan_megatron import MegatronCoreBlock
-from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks, step_peak, time_step
+from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks
 from megatron_core.tensor_parallel.recompute.plan_search import (
     OptionMeasure,
     StageMeasure,
     _megatron_candidates,
     _overhead,
-    fits_when_measured,
     headroom,
-    one_microbatch_peak,
     predict_peak,
     schedule_in_flight,
     search_plan,
@@ -265,6 +278,12 @@ class RecomputePlan:
             the per-layer one as searched, ``megatron_ms``, and ``edge_plan_ms`` /
             ``edge_megatron_ms`` for the edges that fit as measured) and the fastest became
             :attr:`choices` (rule 4); else None.
+        rivals: other plans that fit and may be faster than the time model says (rule 4:
+            megatron-core settings close to the best one, the FLOP-share search's plan), each
+            a dict like an edge's; they join the timed candidates.
+        chosen_by: "model" (the time model alone: nothing else to time), "time" (the fastest
+            timed candidate) or "flops" (the timed candidates the rounds could not tell apart
+            from the fastest, the least FLOP share of recompute among them).
         edges: the per-layer plan and the megatron setting that are predicted faster but fit
             only without the 2% margin (rule 4), each a dict with ``source`` ("plan" or
             "megatron"), ``choices``, ``predicted_peak``, ``overhead_ms`` (and ``fields``);
@@ -283,6 +302,8 @@ class RecomputePlan:
     stage: StageMeasure
     timed: dict | None = None
     edges: list[dict] = dataclasses.field(default_factory=list)
+    rivals: list[dict] = dataclasses.field(default_factory=list)
+    chosen_by: str = "model"
 
     def apply(self, model: torch.nn.Module) -> None:
         """Set the plan on ``model``'s TransformerBlock (``set_layer_recompute``; on
@@ -292,6 +313,20 @@ class RecomputePlan:
         for chunk in model if several else [model]:
             (block,) = _find_blocks(chunk)
             block.set_layer_recompute(self.choices)
+
+    def _timed_name(self, key: str) -> str:
+        """What :attr:`timed`'s ``key`` names, for the printout."""
+        names = {"plan_ms": "the per-layer search's plan", "megatron_ms": "megatron-core's",
+                 "edge_plan_ms": "the near-budget per-layer plan",
+                 "edge_megatron_ms": "the near-budget megatron-core setting"}  # fmt: skip
+        if key in names:
+            return names[key]
+        source, _, index = key[: -len("_ms")].rpartition("_")
+        rival = self.rivals[int(index)]
+        if source == "flops":
+            return f"the FLOP-share search's plan {rival['choices']}"
+        fields = ", ".join(f"{k}={v!r}" for k, v in rival["fields"].items())
+        return f"megatron-core's {fields}"
 
     def __str__(self) -> str:
         stage, lines = self.stage, []
@@ -330,11 +365,11 @@ class RecomputePlan:
                     f"{edge['predicted_one'] / _MiB:,.2f} MiB predicted: {verdict}"
                 )
         if self.timed is not None:
-            names = {"plan_ms": "the per-layer search's plan", "megatron_ms": "megatron-core's",
-                     "edge_plan_ms": "the near-budget per-layer plan",
-                     "edge_megatron_ms": "the near-budget megatron-core setting"}  # fmt: skip
-            said = ", ".join(f"{names[k]} {v:.2f} ms" for k, v in self.timed.items())
-            lines.append(f"  timed per microbatch: {said} (the fastest is the plan)")
+            said = ", ".join(f"{self._timed_name(k)} {v:.2f} ms" for k, v in self.timed.items())
+            how = {"time": "the fastest is the plan", "flops": "the rounds could not tell the "
+                   "fastest from the others within 1%: the least FLOP share of recompute among "
+                   "them is the plan"}[self.chosen_by]  # fmt: skip
+            lines.append(f"  timed per microbatch: {said} ({how})")
         if self.megatron is None:
             lines.append("  megatron-core TransformerConfig: no single setting fits")
         else:
@@ -429,78 +464,6 @@ def plan_recompute(
         return _timed_choice(plan, chunks, forwards, repeats)
     finally:
         set_rng_snapshot(rng)
-
-
-def _timed_choice(plan: RecomputePlan, chunks, forwards, repeats: int) -> RecomputePlan:
-    """Rule 4's last step. Each of ``plan.edges`` runs one microbatch's step with its choices
-    (the stage's largest peak) and joins the candidates where :func:`fits_when_measured`; where
-    the candidates (the per-layer plan, the megatron one, the edges that fit) differ, each runs
-    ``repeats`` timed steps (round-robin; the slowest rank's median) and the fastest is kept.
-    The time model adds per-layer costs measured on uniform probes; a mixed plan's step can
-    cost more than that sum (on a CPU, recomputing one layer's core attention beside layers
-    that keep theirs cost 2-4x its uniform share), and every candidate fits the budget."""
-    if repeats < 1:
-        return plan
-    static = 0 if plan.activations_only else plan.stage.static
-    candidates = {"plan": (plan.choices, plan.predicted_peak, plan.overhead_ms)}
-    megatron = plan.megatron
-    if megatron is not None:
-        candidates["megatron"] = (
-            megatron["choices"], megatron["predicted_peak"], megatron["overhead_ms"]
-        )
-    edges, megatron_dicts = [], ({} if megatron is None else {"megatron": megatron})
-    for edge in plan.edges:
-        measured = max(_one_step_peak(chunk, forward, edge["choices"])
-                       for chunk, forward in zip(chunks, forwards))  # fmt: skip
-        measured = int(stage_max([float(measured)])[0])
-        fits = fits_when_measured(plan.stage, edge["choices"], measured, plan.budget, static)
-        one = one_microbatch_peak(plan.stage, edge["choices"])
-        edges.append(dict(edge, measured_peak=measured, predicted_one=one, fits=fits))
-        if fits:
-            candidates["edge_" + edge["source"]] = (
-                edge["choices"], edge["predicted_peak"], edge["overhead_ms"]
-            )
-            if edge["source"] == "megatron":
-                megatron_dicts["edge_megatron"] = {k: v for k, v in edge.items() if k != "source"}
-    distinct: dict[tuple, str] = {}
-    for name, (choices, _, _) in candidates.items():
-        distinct.setdefault(tuple(choices), name)
-    if len(distinct) < 2:  # the megatron setting reported: the edge's where it fits (faster)
-        megatron = megatron_dicts.get("edge_megatron", megatron)
-        return dataclasses.replace(plan, edges=edges, megatron=megatron)
-    names = list(distinct.values())
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(repeats):
-        for i in range(len(names)):  # rotated: a slow spell hits every candidate alike
-            name = names[(i + round_) % len(names)]
-            times[name].append(sum(
-                time_step(chunk, candidates[name][0], forward, 1)
-                for chunk, forward in zip(chunks, forwards)
-            ))  # fmt: skip
-    for chunk in chunks:
-        _find_blocks(chunk)[0].set_layer_recompute(None)
-    medians = stage_max([sorted(times[n])[len(times[n]) // 2] for n in names])
-    timed = {f"{name}_ms": ms for name, ms in zip(names, medians)}
-    fastest = names[medians.index(min(medians))]
-    choices, peak, overhead = candidates[fastest]
-    # the megatron setting reported: the faster of the guarded one and the edge's, as timed
-    ms = {name: timed[distinct[tuple(candidates[name][0])] + "_ms"] for name in megatron_dicts}
-    megatron = megatron_dicts[min(megatron_dicts, key=ms.__getitem__)] if ms else None
-    return dataclasses.replace(
-        plan, choices=list(choices), predicted_peak=peak, overhead_ms=overhead, timed=timed,
-        edges=edges, megatron=megatron,
-    )  # fmt: skip
-
-
-def _one_step_peak(chunk, forward, choices) -> int:
-    """The peak of one microbatch's forward and backward of ``chunk`` with ``choices``, above
-    what was allocated before it (plan_probe.step_peak)."""
-    block = _find_blocks(chunk)[0]
-    block.set_layer_recompute(choices)
-    try:
-        return step_peak(chunk, lambda: forward().backward())
-    finally:
-        block.set_layer_recompute(None)
 
 
 def _raise_if_any_failed(failure: str | None) -> None:
@@ -614,9 +577,10 @@ def choose_plan(
     if found is not None and found[2] < overhead:
         edges.append({"choices": found[0], "predicted_peak": static + found[1],
                       "overhead_ms": found[2], "source": "plan"})  # fmt: skip
+    others = rivals(stage, limit, static, megatron_only, choices, megatron)
     return RecomputePlan(
         choices, limit_total, activations_only, static + peak, overhead, stage.step_ms,
-        megatron, stage, edges=edges,
+        megatron, stage, edges=edges, rivals=others,
     )  # fmt: skip
 
 

@@ -134,16 +134,35 @@ def measure_stage(
         for i in range(len(options)):
             option = options[(i + round_) % len(options)]
             times[option].append(time_step(model, [option] * layers, forward, 1))
-    times = {option: sorted(t)[len(t) // 2] for option, t in times.items()}
     block.set_layer_recompute(None)
     local = _stage(layers, options, numbers, [0.0] * len(options))
     peaks = [predict_peak(local, [o] * layers) for o in options]
     numbers, spread = _agree(numbers, peaks, options)
-    slowest = stage_max([times[o] for o in options])
-    floors = _flop_floors(options, config, shapes["none"], slowest[0] / layers)
-    extra = {o: max(floors[o], (slowest[i] - slowest[0]) / layers) for i, o in enumerate(options)}
+    step_ms, deltas, noise = _paired(times, options)
+    floors = _flop_floors(options, config, shapes["none"], step_ms / layers)
+    extra = {o: max(floors[o], deltas[o] / layers) for o in options}
     extra = _monotone(extra)
-    return _stage(layers, options, numbers, [extra[o] for o in options], slowest[0], spread)
+    return _stage(
+        layers, options, numbers, [extra[o] for o in options], step_ms, spread,
+        [floors[o] for o in options], noise,
+    )  # fmt: skip
+
+
+def _paired(times: dict[str, list[float]], options) -> tuple[float, dict[str, float], float]:
+    """From each option's timed rounds (the slowest rank's): the "none" step's median, each
+    option's median over the rounds of its step minus "none"'s in the same round (a pair of
+    steps close in time, which a slow spell of the machine hits alike), and the noise: the
+    largest half-range of those differences (rule 2)."""
+    flat = stage_max([ms for option in options for ms in times[option]])
+    count = len(times[options[0]])
+    rounds = {o: flat[i * count : (i + 1) * count] for i, o in enumerate(options)}
+    deltas, noise = {}, 0.0
+    for option in options:
+        differences = sorted(a - b for a, b in zip(rounds[option], rounds["none"]))
+        deltas[option] = differences[len(differences) // 2]
+        noise = max(noise, (differences[-1] - differences[0]) / 2)
+    none = sorted(rounds["none"])
+    return none[len(none) // 2], deltas, noise
 
 
 def _probe_kept_buffers_first(model, choices, forward, microbatches: int) -> Probe:
@@ -190,15 +209,19 @@ def _stage_numbers(model, optimizer, probes: dict, options, layers: int) -> list
     return numbers
 
 
-def _stage(layers, options, numbers, extra, step_ms=0.0, spread=0) -> StageMeasure:
+def _stage(
+    layers, options, numbers, extra, step_ms=0.0, spread=0, flops=None, noise=0.0
+) -> StageMeasure:
+    flops = flops or [0.0] * len(options)
     measures = {
-        option: OptionMeasure(*numbers[7 + 5 * i : 11 + 5 * i], extra[i], numbers[11 + 5 * i])
+        option: OptionMeasure(*numbers[7 + 5 * i : 11 + 5 * i], extra[i], numbers[11 + 5 * i],
+                              flops[i])  # fmt: skip
         for i, option in enumerate(options)
     }
     static, pre, head, head_left, tail, grads, states = numbers[:7]
     return StageMeasure(
         layers, static, pre, head, head_left, tail, step_ms, measures, spread, grads=grads,
-        states=states,
+        states=states, noise_ms=noise,
     )  # fmt: skip
 
 
@@ -277,6 +300,7 @@ def measure_chunks(
               for f in ("kept", "forward", "backward", "left")),
             sum(s.options[name].extra_ms for s in stages),
             max(s.options[name].backward_later for s in stages),
+            sum(s.options[name].flop_ms for s in stages),
         )
         for name in first.options
     }  # fmt: skip
@@ -285,5 +309,5 @@ def measure_chunks(
                                 for f in ("pre", "head", "head_left", "tail")),
         sum(s.step_ms for s in stages), options, max(s.spread for s in stages),
         grads=sum(s.grads for s in stages), chunks=len(stages), chunk_stages=tuple(stages),
-        states=states,
+        states=states, noise_ms=sum(s.noise_ms for s in stages),
     )  # fmt: skip

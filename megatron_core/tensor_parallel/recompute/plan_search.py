@@ -15,12 +15,14 @@ __all__ = [
     "OptionMeasure",
     "StageMeasure",
     "fits_when_measured",
+    "flop_overhead",
     "one_microbatch_peak",
     "headroom",
     "predict_peak",
     "schedule_in_flight",
     "search_plan",
     "smallest_fit",
+    "with_flop_costs",
 ]
 
 
@@ -28,9 +30,10 @@ __all__ = [
 class OptionMeasure:
     """What one option costs a layer (NOTE [ Recompute planner ], rule 2): kept bytes, forward
     / backward peaks above the allocation as the layer began, what the layer's forward and
-    backward leave allocated, milliseconds per step over "none", and the backward peak of a
+    backward leave allocated, milliseconds per step over "none", the backward peak of a
     later microbatch (its gradients exist: nothing new is allocated for them; None: taken as
-    the first's)."""
+    the first's), and the FLOP-share milliseconds (the share of a layer's forward FLOPs it runs
+    again times a third of a layer's step: the time model's floor and its fallback)."""
 
     kept: int
     forward: int
@@ -38,6 +41,7 @@ class OptionMeasure:
     left: int
     extra_ms: float
     backward_later: int | None = None
+    flop_ms: float = 0.0
 
     @property
     def later(self) -> int:
@@ -71,6 +75,7 @@ class StageMeasure:
     chunk_stages: tuple[StageMeasure, ...] = ()
     order: tuple[tuple[bool, int], ...] = ()
     states: int = 0  # the model states among ``static`` (rule 2)
+    noise_ms: float = 0.0  # how far an option's timed rounds spread (per step, rule 2)
 
 
 def headroom(stage: StageMeasure, budget: int, measured: bool = False) -> int:
@@ -194,6 +199,21 @@ def _microbatch_peak(stage: StageMeasure, choices: Sequence[str], steady: bool) 
 
 def _overhead(stage: StageMeasure, choices: Sequence[str]) -> float:
     return sum(stage.options[c].extra_ms for c in choices)
+
+
+def flop_overhead(stage: StageMeasure, choices: Sequence[str]) -> float:
+    """The FLOP-share milliseconds of ``choices``' recompute (rule 2's fallback)."""
+    return sum(stage.options[c].flop_ms for c in choices)
+
+
+def with_flop_costs(stage: StageMeasure) -> StageMeasure:
+    """``stage`` with every option costing its FLOP share alone (its chunks' too)."""
+    options = {
+        name: dataclasses.replace(option, extra_ms=option.flop_ms)
+        for name, option in stage.options.items()
+    }
+    chunks = tuple(with_flop_costs(chunk) for chunk in stage.chunk_stages)
+    return dataclasses.replace(stage, options=options, chunk_stages=chunks)
 
 
 def search_plan(stage: StageMeasure, limit: int) -> tuple[list[str], int, float] | None:

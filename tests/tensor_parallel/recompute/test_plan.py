@@ -387,9 +387,9 @@ def _timed_choice_of(slow):
     )
     slow_kind = "selective" if slow == "searched" else "full"
 
-    def forward():  # the slow plan's steps take 0.2 s more work
+    def forward():  # the slow plan's steps take 0.1 s more work
         if model.decoder.layer_recompute[0] == slow_kind:
-            _work(0.2)
+            _work(0.1)
         return model(tokens, labels).mean()
 
     chosen = _timed_choice(plan, [model], [forward], repeats=3)
@@ -403,11 +403,54 @@ def test_the_faster_of_the_searched_and_megatron_plans_is_kept(slow):
     assert set(timed) == {"plan_ms", "megatron_ms"}
     if slow == "searched":
         assert choices == ["full", "none", "none"] and overhead == 9.0
-        assert timed["plan_ms"] > timed["megatron_ms"] + 150
+        assert timed["plan_ms"] > timed["megatron_ms"] + 75
     else:
         assert choices == ["selective:core_attn", "none", "none"]
-        assert timed["megatron_ms"] > timed["plan_ms"] + 150
+        assert timed["megatron_ms"] > timed["plan_ms"] + 75
     assert after is None  # the block is left with its config's recompute
+
+
+@pytest.mark.parametrize(
+    "selective_rounds, chosen, by",
+    [
+        ([99.5, 101.0, 102.0, 100.5, 101.5], "selective:core_attn", "flops"),  # 1%: a tie
+        ([105.0] * 5, "full", "time"),  # 5% slower in every round
+        ([95.0, 103.0, 94.0, 96.0, 97.0], "selective:core_attn", "time"),  # faster
+    ],
+)
+def test_the_contest_keeps_the_fastest_or_the_least_flops_where_rounds_cannot_tell(
+    monkeypatch, selective_rounds, chosen, by
+):
+    # NOTE [ Recompute planner ], rule 4: full recompute on both layers takes 100 ms in every
+    # round; the FLOP-share rival (core attention only: less FLOP share) takes the given times.
+    # One not clearly slower than the fastest (1% in the median round, 80% of the rounds)
+    # leaves the choice to the FLOP share.
+    from megatron_core.tensor_parallel.recompute import plan_contest
+    from megatron_core.tensor_parallel.recompute.plan import RecomputePlan
+    from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
+
+    options = {
+        "none": OptionMeasure(10, 1, 1, 0, 0.0, flop_ms=0.0),
+        "selective:core_attn": OptionMeasure(5, 1, 1, 0, 2.0, flop_ms=1.0),
+        "full": OptionMeasure(1, 1, 1, 0, 3.0, flop_ms=3.0),
+    }
+    stage = StageMeasure(2, 0, 0, 0, 0, 0, 10.0, options)
+    selective = ["selective:core_attn"] * 2
+    rival = {"source": "flops", "choices": selective, "predicted_peak": 7, "overhead_ms": 4.0}
+    plan = RecomputePlan(["full"] * 2, 100, False, 5, 6.0, 10.0, None, stage, rivals=[rival])
+    rounds = {("full", "full"): iter([100.0] * 5), tuple(selective): iter(selective_rounds)}
+    monkeypatch.setattr(plan_contest, "time_step", lambda m, c, f, r: next(rounds[tuple(c)]))
+
+    class Block(torch.nn.Module):
+        probe = None
+
+        def set_layer_recompute(self, choices):
+            pass
+
+    decided = plan_contest.timed_choice(plan, [torch.nn.Sequential(Block())], [None], 3)
+    assert decided.choices == [chosen] * 2 and decided.chosen_by == by, decided.timed
+    assert set(decided.timed) == {"plan_ms", "flops_0_ms"}
+    assert "timed per microbatch: the per-layer search's plan" in str(decided)
 
 
 def _near_the_budget(tp, share):
@@ -416,9 +459,9 @@ def _near_the_budget(tp, share):
 
     model, tokens, labels = _model(tp)
 
-    def forward():  # any recompute costs 0.2 s a step: "none" is the fastest wherever it fits
+    def forward():  # any recompute costs 0.1 s a step: "none" is the fastest wherever it fits
         if any(kind != "none" for kind in model.decoder.layer_recompute or ()):
-            _work(0.2)
+            _work(0.1)
         return model(tokens, labels).mean()
 
     stage = measure_stage(model, forward, repeats=2)

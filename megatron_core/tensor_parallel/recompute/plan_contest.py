@@ -1,0 +1,172 @@
+"""The recompute planner's last step (NOTE [ Recompute planner ], rule 4): the plans that fit
+and may be the fastest run side by side, and the time they measure chooses among them.
+
+:func:`rivals` names the plans beside the search's (or megatron-core's) own that a noisy or
+biased time model could have ranked wrongly; :func:`timed_choice` measures the near-budget
+edges' peaks, times every candidate in rounds and keeps the fastest, or, where the rounds
+cannot tell the fastest from another, the one that recomputes the smallest share of the FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_core.tensor_parallel.recompute.plan_measure import stage_max
+from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks, step_peak, time_step
+from megatron_core.tensor_parallel.recompute.plan_search import (
+    StageMeasure,
+    _megatron_candidates,
+    _overhead,
+    fits_when_measured,
+    flop_overhead,
+    one_microbatch_peak,
+    predict_peak,
+    search_plan,
+    with_flop_costs,
+)
+
+__all__ = ["rivals", "timed_choice", "CONTEST_ROUNDS", "CLEAR_SHARE"]
+
+CONTEST_ROUNDS = 5  # rounds of the timed candidates (at least; more where ``repeats`` asks)
+CLEAR_SHARE = 0.01  # a candidate is clearly slower: this much slower in the median round ...
+_CLEAR_ROUNDS = 0.8  # ... and slower in at least this share of the rounds
+_MEGATRON_RIVALS = 2
+
+
+def rivals(
+    stage: StageMeasure, limit: int, static: int, megatron_only: bool, chosen: list[str],
+    megatron: dict | None,
+) -> list[dict]:  # fmt: skip
+    """Plans that fit ``limit`` (bytes above ``static``) beside ``chosen`` and ``megatron``
+    whose true step may be the fastest, each ``{"source", "choices", "predicted_peak",
+    "overhead_ms"}`` (and ``fields`` for a megatron-core setting): megatron-core settings
+    predicted within 1.5x of the best one's overhead plus twice the timing noise (at most two),
+    and, for a per-layer plan, the search's plan under the FLOP-share costs alone (rule 2's
+    fallback), where it differs."""
+    found: list[dict] = []
+    if megatron is not None:
+        ceiling = 1.5 * megatron["overhead_ms"] + 2 * stage.noise_ms
+        others = []
+        for fields, choices in _megatron_candidates(stage):
+            peak = predict_peak(stage, choices)
+            cost = _overhead(stage, choices)
+            if peak <= limit and cost <= ceiling and choices != megatron["choices"]:
+                others.append({"source": "megatron", "fields": fields, "choices": choices,
+                               "predicted_peak": static + peak, "overhead_ms": cost})  # fmt: skip
+        found += sorted(others, key=lambda rival: rival["overhead_ms"])[:_MEGATRON_RIVALS]
+    if not megatron_only:
+        flops = search_plan(with_flop_costs(stage), limit)
+        if flops is not None and flops[0] != chosen:
+            found.append({"source": "flops", "choices": flops[0],
+                          "predicted_peak": static + predict_peak(stage, flops[0]),
+                          "overhead_ms": _overhead(stage, flops[0])})  # fmt: skip
+    return found
+
+
+def timed_choice(plan, chunks, forwards, repeats: int):
+    """Rule 4's last step on a RecomputePlan. Each of ``plan.edges`` runs one microbatch's step
+    with its choices (the stage's largest peak) and joins the candidates where
+    :func:`fits_when_measured`; where the candidates (the per-layer plan, the megatron one, the
+    edges that fit, the rivals) differ, each runs ``max(repeats, CONTEST_ROUNDS)`` timed steps
+    (round-robin, rotated; the slowest rank's times). The fastest by median is kept, unless
+    another is not clearly slower than it (slower by ``CLEAR_SHARE`` of its median, in 80% of
+    the rounds): then, of those, the one with the least FLOP share of recompute (rule 2's
+    fallback), so a difference the rounds cannot see does not decide. The time model adds
+    per-layer costs measured on uniform probes; a mixed plan's step can cost more than that sum
+    (on a CPU, recomputing one layer's core attention beside layers that keep theirs cost 2-4x
+    its uniform share), and every candidate fits the budget."""
+    if repeats < 1:
+        return plan
+    static = 0 if plan.activations_only else plan.stage.static
+    candidates = {"plan": (plan.choices, plan.predicted_peak, plan.overhead_ms)}
+    megatron = plan.megatron
+    megatron_dicts = {} if megatron is None else {"megatron": megatron}
+    if megatron is not None:
+        candidates["megatron"] = (
+            megatron["choices"], megatron["predicted_peak"], megatron["overhead_ms"]
+        )
+    edges = []
+    for edge in plan.edges:
+        measured = max(_one_step_peak(chunk, forward, edge["choices"])
+                       for chunk, forward in zip(chunks, forwards))  # fmt: skip
+        measured = int(stage_max([float(measured)])[0])
+        fits = fits_when_measured(plan.stage, edge["choices"], measured, plan.budget, static)
+        one = one_microbatch_peak(plan.stage, edge["choices"])
+        edges.append(dict(edge, measured_peak=measured, predicted_one=one, fits=fits))
+        if fits:
+            candidates["edge_" + edge["source"]] = (
+                edge["choices"], edge["predicted_peak"], edge["overhead_ms"]
+            )
+            if edge["source"] == "megatron":
+                megatron_dicts["edge_megatron"] = {k: v for k, v in edge.items() if k != "source"}
+    for index, rival in enumerate(plan.rivals):
+        name = f"{rival['source']}_{index}"
+        candidates[name] = (rival["choices"], rival["predicted_peak"], rival["overhead_ms"])
+        if rival["source"] == "megatron":
+            megatron_dicts[name] = {k: v for k, v in rival.items() if k != "source"}
+    distinct: dict[tuple, str] = {}
+    for name, (choices, _, _) in candidates.items():
+        distinct.setdefault(tuple(choices), name)
+    if len(distinct) < 2:  # the megatron setting reported: the edge's where it fits (faster)
+        megatron = megatron_dicts.get("edge_megatron", megatron)
+        return dataclasses.replace(plan, edges=edges, megatron=megatron)
+    names = list(distinct.values())
+    rounds = _rounds(chunks, forwards, [candidates[n][0] for n in names], repeats)
+    medians = [sorted(r)[len(r) // 2] for r in rounds]
+    timed = {f"{name}_ms": ms for name, ms in zip(names, medians)}
+    fastest = medians.index(min(medians))
+    close = [i for i in range(len(names)) if not _clearly_slower(rounds[i], rounds[fastest])]
+    flops = {i: flop_overhead(plan.stage, candidates[names[i]][0]) for i in close}
+    chosen = names[min(close, key=lambda i: (flops[i], i != fastest, medians[i]))]
+    choices, peak, overhead = candidates[chosen]
+    # the megatron setting reported: the fastest-timed megatron-core one, or the chosen plan
+    # where that is one
+    ms = {name: timed[distinct[tuple(candidates[name][0])] + "_ms"] for name in megatron_dicts}
+    if chosen in megatron_dicts:
+        megatron = megatron_dicts[chosen]
+    elif ms:
+        megatron = megatron_dicts[min(ms, key=ms.__getitem__)]
+    return dataclasses.replace(
+        plan, choices=list(choices), predicted_peak=peak, overhead_ms=overhead, timed=timed,
+        edges=edges, megatron=megatron, chosen_by="time" if chosen == names[fastest] else "flops",
+    )  # fmt: skip
+
+
+def _rounds(chunks, forwards, plans: list, repeats: int) -> list[list[float]]:
+    """Per plan, its step's milliseconds in each round (every chunk's microbatch summed; the
+    slowest rank's), the plans run round-robin in a rotated order (a slow spell of a shared
+    machine hits them alike)."""
+    count = max(repeats, CONTEST_ROUNDS)
+    times: list[list[float]] = [[0.0] * count for _ in plans]
+    for round_ in range(count):
+        for i in range(len(plans)):
+            index = (i + round_) % len(plans)
+            times[index][round_] = sum(
+                time_step(chunk, plans[index], forward, 1)
+                for chunk, forward in zip(chunks, forwards)
+            )
+    for chunk in chunks:
+        _find_blocks(chunk)[0].set_layer_recompute(None)
+    flat = stage_max([ms for plan_times in times for ms in plan_times])
+    return [flat[i * count : (i + 1) * count] for i in range(len(plans))]
+
+
+def _clearly_slower(mine: list[float], fastest: list[float]) -> bool:
+    """Whether ``mine`` is slower than ``fastest`` beyond the rounds' noise: by ``CLEAR_SHARE``
+    of the fastest's median in the median round, and in at least 80% of the rounds."""
+    differences = sorted(a - b for a, b in zip(mine, fastest))
+    typical = differences[len(differences) // 2]
+    slower = sum(d > 0 for d in differences)
+    median = sorted(fastest)[len(fastest) // 2]
+    return typical > CLEAR_SHARE * median and slower >= _CLEAR_ROUNDS * len(differences)
+
+
+def _one_step_peak(chunk, forward, choices) -> int:
+    """The peak of one microbatch's forward and backward of ``chunk`` with ``choices``, above
+    what was allocated before it (plan_probe.step_peak)."""
+    block = _find_blocks(chunk)[0]
+    block.set_layer_recompute(choices)
+    try:
+        return step_peak(chunk, lambda: forward().backward())
+    finally:
+        block.set_layer_recompute(None)

@@ -1,0 +1,125 @@
+"""Does the recompute planner choose the same plan on a quiet machine and beside a busy one?
+
+For each model (megatron-core's GPTModel through the switch, local spec; our GPT; both 6 layers,
+hidden 96, 6 heads, sequence 320, micro-batch 3, AdamW, one CPU process: the sizes of
+``check_recompute_plan_total.py``) and each budget, ``--runs`` fresh processes each plan once
+(``plan_recompute``) on a quiet machine, and as many beside ``--load`` busy-loop processes (each
+a Python ``while True: pass``, started before and stopped after). Then every distinct plan chosen
+at a budget runs side by side in one quiet process: ``--repeats`` rounds, each plan one training
+step a round in a rotated order, timed by this thread's CPU time (the planner's clock) and by the
+wall clock; medians.
+
+    python scripts/benchmark_recompute_plan_load.py --model megatron --budgets 80MiB 115.6MiB 150MiB
+    python scripts/benchmark_recompute_plan_load.py --model ours --budgets 55MiB 75MiB 100MiB
+
+Prints per budget the plans chosen (quiet / loaded counts) and their step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(0, os.path.join(_HERE, ".."))
+
+import check_recompute_plan_total as total  # noqa: E402
+
+
+def _compare(kind: str, plans: list[dict], repeats: int) -> list[tuple[float, float]]:
+    """Per plan (its ``fields`` and ``choices``), the median CPU and wall ms of a training step,
+    the plans run round-robin in one process."""
+    import torch
+
+    from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks
+
+    total._start(kind)
+    model, optimizer, forward = total._build(kind, {}, None)
+    (block,) = _find_blocks(model)
+    cpu = [[] for _ in plans]
+    wall = [[] for _ in plans]
+    for round_ in range(repeats + 1):
+        for i in range(len(plans)):
+            index = (i + round_) % len(plans)
+            block.set_layer_recompute(plans[index]["choices"])
+            start_cpu, start_wall = time.thread_time(), time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            forward().backward()
+            optimizer.step()
+            if round_:  # the first round warms each plan up
+                cpu[index].append((time.thread_time() - start_cpu) * 1e3)
+                wall[index].append((time.perf_counter() - start_wall) * 1e3)
+    del torch
+    return [(sorted(c)[len(c) // 2], sorted(w)[len(w) // 2]) for c, w in zip(cpu, wall)]
+
+
+def _child(kind: str, run: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, __file__, "--model", kind, "--run", run], capture_output=True, text=True
+    )
+    if done.returncode:
+        raise SystemExit(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _busy(count: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("megatron", "ours"), default="megatron")
+    parser.add_argument("--budgets", nargs="+", default=["80MiB", "115.6MiB", "150MiB"])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--load", type=int, default=2, help="busy-loop processes beside")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        what, _, rest = args.run.partition(":")
+        if what == "plan":
+            planned = total.plan(args.model, rest)
+            planned.pop("text")
+            print(json.dumps(planned))
+        else:
+            print(json.dumps(_compare(args.model, json.loads(rest), args.repeats)))
+        return
+    print(f"model {args.model}; {args.runs} runs quiet, {args.runs} beside {args.load} busy "
+          f"loops; machine: {os.cpu_count()} CPUs", flush=True)  # fmt: skip
+    for budget in args.budgets:
+        seen: dict[str, dict] = {}
+        counts = collections.Counter()
+        for loaded in (False, True):
+            busy = _busy(args.load) if loaded else []
+            try:
+                for _ in range(args.runs):
+                    planned = _child(args.model, f"plan:{budget}")
+                    key = json.dumps(planned["fields"] if args.model == "megatron"
+                                     else planned["choices"])  # fmt: skip
+                    seen.setdefault(key, planned)
+                    counts[(key, loaded)] += 1
+            finally:
+                for process in busy:
+                    process.kill()
+                    process.wait()
+        keys = list(seen)
+        times = _child(args.model, "compare:" + json.dumps([seen[k] for k in keys]))
+        fastest = min(cpu for cpu, _ in times)
+        print(f"\nbudget {budget}:")
+        print("| plan | quiet | loaded | predicted peak (MiB) | CPU ms / step | vs fastest | "
+              "wall ms / step |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+        for key, (cpu, wall) in zip(keys, times):
+            print(f"| {key} | {counts[(key, False)]} | {counts[(key, True)]} | "
+                  f"{seen[key]['predicted'] / 2**20:.1f} | {cpu:.1f} | {cpu / fastest:.3f} | "
+                  f"{wall:.1f} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
