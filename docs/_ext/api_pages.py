@@ -229,13 +229,16 @@ def on_signature(app, what, name, obj, options, signature, return_annotation):
     return signature, return_annotation
 
 
-_NOTE = re.compile(r"^# NOTE \[ (?P<title>.+?) \]\s*$")
+_NOTE = re.compile(r"^(# )?NOTE \[ (?P<title>.+?) \]\s*$")
+_ITEM = re.compile(r"^\d+\. \S")
 
 
 def _note_blocks(lines: list[str]) -> None:
-    """Give each ``# NOTE [ Title ]`` line, in place, a rubric of that title. The rules under it
-    are kept: as reStructuredText where they are plain lines (a numbered list), as a literal block
-    without the ``# `` prefix where they are written as comment lines."""
+    """A NOTE block as the house writes it, in place: the ``NOTE [ Title ]`` line (``#`` or not)
+    becomes a rubric of that title. Rules written under it as comment lines (``# 1. ...``) become
+    a literal block, their layout kept; rules written as plain lines keep their markup, with the
+    blank lines reStructuredText wants around a numbered list that the house's NOTE style leaves
+    out (a lead-in line right above rule 1, a line right below the last rule)."""
     i = 0
     while i < len(lines):
         match = _NOTE.match(lines[i])
@@ -250,12 +253,34 @@ def _note_blocks(lines: list[str]) -> None:
             body.pop(0)
         block = [f".. rubric:: NOTE [ {match['title']} ]", ""]
         if body:
-            block += ["::", "", *(f"    {line}".rstrip() for line in body)]
-        block.append("")
+            block += ["::", "", *(f"    {line}".rstrip() for line in body), ""]
         if i > 0 and lines[i - 1].strip():
             block.insert(0, "")
         lines[i:end] = block
         i += len(block)
+        if not body:
+            _space_list(lines, i)
+
+
+def _space_list(lines: list[str], start: int) -> None:
+    """Blank lines, from ``start`` on, between a numbered list and plain text touching it."""
+    in_list = False
+    i = start
+    while i < len(lines):
+        line = lines[i]
+        prev = lines[i - 1] if i > start else ""
+        if not line.strip():
+            in_list = False
+        elif _ITEM.match(line):
+            if not in_list and prev.strip():
+                lines.insert(i, "")
+                i += 1
+            in_list = True
+        elif in_list and not line.startswith(" "):
+            lines.insert(i, "")
+            i += 1
+            in_list = False
+        i += 1
 
 
 def on_missing_reference(app, env, node, contnode):
@@ -288,7 +313,11 @@ def on_missing_reference(app, env, node, contnode):
         return found if found is not None else contnode
     if target.startswith(PACKAGE + ".") or not target:
         return None
-    ends = {name for name in domain.objects if name.endswith("." + target)}
+    ends = {
+        name
+        for name, entry in domain.objects.items()
+        if name.endswith("." + target) and not entry.aliased  # an alias: autodoc's :canonical:
+    }
     if len(ends) == 1:
         return resolve(ends.pop())
     return None
