@@ -291,7 +291,8 @@ def on_missing_reference(app, env, node, contnode):
     * a name that no module of the reference's page binds but that one description alone ends
       with (``SavedInputs``, ``MemoryTimeline``) resolves to it;
     * a name that exists but is described nowhere (a private helper, a method without a
-      docstring, a dataclass field) is shown as code, without a link.
+      docstring, a dataclass field, an attribute ``__init__`` sets) is shown as code, without
+      a link.
 
     A name that does not exist, or that several descriptions end with, stays unresolved: a
     warning, an error under ``-W``.
@@ -324,7 +325,7 @@ def on_missing_reference(app, env, node, contnode):
 
 
 _MISSING = object()
-_FIELD = object()  # a class's annotated field or slot: exists, has no object of its own
+_FIELD = object()  # an instance attribute (field, slot, self.x = ...): exists, no object here
 
 
 def _find(target: str, modname: str | None, classname: str | None):
@@ -363,11 +364,20 @@ def _lookup(dotted: str):
 
 
 def _has_field(cls, name: str) -> bool:
+    """Whether instances of ``cls`` have attribute ``name``: annotated, a slot, or assigned as
+    ``self.name = ...`` in a method of the class or a base of this package."""
     if not inspect.isclass(cls):
         return False
+    assigned = re.compile(rf"\bself\.{re.escape(name)}\s*(:[^=\n]*)?=[^=]")
     for klass in cls.__mro__:
         if name in getattr(klass, "__annotations__", {}) or name in getattr(klass, "__slots__", ()):
             return True
+        if klass.__module__.startswith(PACKAGE):
+            try:
+                if assigned.search(inspect.getsource(klass)):
+                    return True
+            except (OSError, TypeError):
+                pass
     return False
 
 
