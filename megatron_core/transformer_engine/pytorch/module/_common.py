@@ -233,12 +233,15 @@ def check_common_options(owner: str, *, parallel_mode=None, normalization=None, 
 
 
 def resolve_device(where) -> torch.device:
-    """Where parameters are made: Transformer Engine's ``device`` argument, with its default
-    "cuda" meaning this package's current device (megatron-core passes the CUDA index, the CPU
-    mode reads it as the CPU)."""
+    """Where parameters are made, as a ``torch.device``: Transformer Engine's ``device``
+    argument, its default "cuda" meaning this package's current device and an integer the
+    index on this package's device type (megatron-core passes ``torch.cuda.current_device()``,
+    which the switch's CPU mode answers with 0)."""
     if where is None or where == "cuda":
         return device.current_device()
-    return torch.device(where) if isinstance(where, str) else where
+    if isinstance(where, int) and not isinstance(where, bool):  # an accelerator index
+        return torch.device(device.device_type(), where)
+    return torch.device(where)
 
 
 def split_size(owner: str, what: str, value: int, tp_size: int) -> int:
