@@ -2,6 +2,10 @@
 #   make train    create .venv, install torch (the main lane's, README "Support matrix") and this
 #                 package, run the main job
 #   make test     the same set-up, then the test suite (the README's test command, in .venv)
+# and the manual:
+#   make docs     the same set-up plus the docs extra, then the site (docs/) into
+#                 docs/_build/html (open index.html); any warning fails it. CI runs
+#                 `make docs-build PY=...` with its own environment.
 # Options: NPROC=4 (ranks), ARGS="--train-iters 100" (more train_gpt.py flags),
 # TORCH_INDEX= (empty: PyPI's default torch wheels, e.g. with CUDA; default: CPU-only wheels),
 # PYTHON=python3.11, VENV_FLAGS=--system-site-packages (reuse an installed torch).
@@ -14,8 +18,13 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 NPROC ?= 2
 ARGS ?=
 PY := $(VENV)/bin/python
+DOCS_OUT ?= docs/_build/html
+# -E reads every page each time: an incremental build would not repeat an unchanged page's
+# warnings. -W --keep-going: every warning is listed, and any fails the build. -n: every
+# cross-reference must resolve (docs/conf.py lists the projects it cannot link to).
+SPHINXOPTS ?= -E -W --keep-going -n -q
 
-.PHONY: train test clean
+.PHONY: train test docs docs-build clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -29,6 +38,17 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest tests -q
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	$(MAKE) docs-build
+
+docs-build:
+	$(PY) -m sphinx -b html $(SPHINXOPTS) docs $(DOCS_OUT)
+	@echo "docs: $(DOCS_OUT)/index.html"
 
 clean:
 	rm -rf $(VENV)

@@ -19,6 +19,9 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "numpy"],
         "dev": ["ruff>=0.4"],
         "plot": ["matplotlib>=3.5", "numpy"],
+        # make docs: the manual (docs/). Lower bounds are the oldest releases the site was built
+        # with, without a warning (sphinx 8.1 is the last line on Python 3.10; 9.x is tested too).
+        "docs": ["sphinx>=8.1", "myst-parser>=4", "furo>=2024.8.6"],
         # megatron-core's own model code on this core (megatron_core.megatron, the switch): 0.16.1 and
         # 0.19.x are tested (0.17+ needs Python 3.12; each CI lane pins its release). Its
         # base needs are torch, numpy and packaging; psutil is what its dist_checkpointing save

@@ -41,7 +41,11 @@ pip_install() {  # pip install -q, without the notes about local index folders t
 }
 pip_install --upgrade pip || fail "upgrading pip"
 pip_install "torch==$torch" || fail "installing torch==$torch"
-pip_install -e ".[test,dev,megatron]" || fail "installing the package with its extras"
+extras="test,dev,megatron"
+if [ "$name" = main ]; then
+  extras="$extras,docs"  # the main lane also builds the manual (.ci/run)
+fi
+pip_install -e ".[$extras]" || fail "installing the package with its extras"
 "$vpy" - "$torch" "$mcore" <<'PY' || fail "checking the installed versions"
 import sys
 from importlib.metadata import version
