@@ -36,6 +36,8 @@ myst_heading_anchors = 3
 # autodoc: members in source order, signatures with their type hints; the API pages decide
 # which names are shown (api_pages.py), so no autosummary stubs are generated.
 autodoc_member_order = "bysource"
+# Each page is one module's: its names are shown without the module's path in front.
+add_module_names = False
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
 # A method without a docstring of its own is left out, not shown with torch's (Module.forward).
@@ -62,4 +64,5 @@ nitpick_ignore_regex = [
 
 html_theme = "furo"
 html_title = "megatron_core"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]

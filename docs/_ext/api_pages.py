@@ -132,7 +132,13 @@ def _page(modname: str, children: list[str], homes: dict[int, str]) -> str:
     lines = _title(modname)
     lines += [f".. automodule:: {modname}", "", f".. currentmodule:: {modname}", ""]
     if children:
-        lines += [".. toctree::", "   :maxdepth: 1", "", *(f"   {c}" for c in children), ""]
+        # The sidebar names a child by its last part under its parent (the page title is whole);
+        # the page itself lists the children with their summaries.
+        lines += [".. toctree::", "   :hidden:", ""]
+        lines += [f"   {c.rpartition('.')[2]} <{c}>" for c in children]
+        lines += ["", ".. rubric:: Modules", "", ".. autosummary::", ""]
+        lines += [f"   ~{c.removeprefix(modname + '.')}" for c in children]
+        lines.append("")
     described, elsewhere, submodules = [], [], []
     for name in _exported(modname):
         obj = getattr(module, name)
@@ -143,6 +149,8 @@ def _page(modname: str, children: list[str], homes: dict[int, str]) -> str:
             elsewhere.append(homes[id(obj)])
         else:
             described.append((name, kind))
+    if described and (children or module.__doc__):
+        lines += [".. rubric:: Names", ""]
     for name, kind in described:
         lines += _description(modname, name, kind, getattr(module, name))
     if elsewhere:
@@ -166,7 +174,9 @@ def _description(modname: str, name: str, kind: str, obj) -> list[str]:
         return [f".. py:data:: {modname}.{name}", "", f"   This torch's ``{origin}``.", ""]
     lines = [f".. auto{kind}:: {modname}.{name}"]
     if kind in ("class", "exception"):
-        lines += ["   :members:", "   :show-inheritance:"]
+        lines.append("   :members:")
+        if obj.__bases__ != (object,):
+            lines.append("   :show-inheritance:")
         if issubclass(obj, enum.Enum):
             lines.append("   :undoc-members:")
     elif kind == "data" and len(repr(obj)) > 80:
@@ -253,7 +263,9 @@ def _note_blocks(lines: list[str]) -> None:
             body.pop(0)
         block = [f".. rubric:: NOTE [ {match['title']} ]", ""]
         if body:
-            block += ["::", "", *(f"    {line}".rstrip() for line in body), ""]
+            # Plain text (not highlighted as Python), wrapped by docs/_static/custom.css.
+            block += [".. code-block:: text", "   :class: note-rules", ""]
+            block += [*(f"   {line}".rstrip() for line in body), ""]
         if i > 0 and lines[i - 1].strip():
             block.insert(0, "")
         lines[i:end] = block
