@@ -1,25 +1,35 @@
 #!/usr/bin/env bash
-# Megatron-LM's own pretrain_gpt.py, unchanged, on this machine's CPUs through the switch:
+# Megatron-LM's own pretrain_gpt.py, unchanged, with Megatron-LM's default flags, on this
+# machine's CPUs through the switch:
 #
 #   bash scripts/check_megatron_lm.sh MEGATRON_LM_DIR [SCENARIO ...]
 #
 # MEGATRON_LM_DIR is a Megatron-LM checkout whose tag matches the installed megatron-core
 # (core_v0.16.1 with 0.16.1, core_v0.19.0 with 0.19.x); nothing in it is edited. Each run is
 #   torchrun --standalone --nproc-per-node N -m megatron_core.megatron DIR/pretrain_gpt.py <flags>
-# with a tiny GPT on mock data, the flags a CPU needs (README "Megatron-LM's own training script
-# on a laptop"). Python: $PYTHON (default python). Logs stay in $OUT (default a temporary folder).
+# with a tiny RoPE GPT on mock data and Megatron-LM's defaults otherwise: its default
+# --transformer-impl transformer_engine (the switch serves the Transformer Engine stand-in), every
+# fusion left on (where a fused kernel needs Transformer Engine, apex or CUDA, megatron-core's
+# unfused path or the stand-in runs), the "nccl" backend (the CPU mode serves it with gloo),
+# initialization on the "GPU" (README "Megatron-LM's own training script on a laptop").
+# $EXTRA_FLAGS are added to every run (e.g. "--transformer-impl local" for megatron-core's local
+# spec). Python: $PYTHON (default python). Logs stay in $OUT (default a temporary folder).
 # Prints one line per scenario ("ok" or "FAIL", what was compared, the losses) and exits 1 if any
 # failed. Scenarios (all by default):
-#   tp1 tp2 pp2 tp2pp2 dp2   dropout off, every layout starting from one TP=1 checkpoint (saved
-#                            after 1 iteration, loaded with --finetune: Megatron draws a TP shard's
-#                            initial weights per rank and seeds each pipeline stage apart, so
-#                            fresh layouts are different models): losses equal tp1's to 1e-5
+#   tp1 tp2 sp_tp2 pp2 tp2pp2 dp2   fp32, dropout off, every layout starting from one TP=1
+#                            checkpoint (saved after 1 iteration, loaded with --finetune: Megatron
+#                            draws a TP shard's initial weights per rank and seeds each pipeline
+#                            stage apart, so fresh layouts are different models): losses equal
+#                            tp1's to 1e-5 (sp_tp2: TP=2 with sequence parallelism)
 #   drop_tp2                 dropout on (0.1), TP=2: the baseline of the next three
 #   full_dsa                 full recompute (uniform, 1 layer) with --distribute-saved-activations:
 #                            losses equal drop_tp2's as printed (7 digits)
 #   selective                selective recompute: losses equal drop_tp2's as printed
 #   resume                   saved at iteration 3, resumed from it: iterations 4-6 equal drop_tp2's
 #   resume_tp2pp2            the same on 4 ranks, TP=2 x PP=2, against an uninterrupted run
+#   bf16_sp                  bf16, TP=2 with sequence parallelism, dropout on: trains
+#   bf16_selective           the same with selective recompute: losses equal bf16_sp's as printed
+#   bf16_resume              bf16_sp saved at iteration 3 and resumed: iterations 4-6 equal its
 # Megatron-LM logs a run's first iteration without resetting its running sum (training.py,
 # is_first_iteration), so a run's second loss line is the mean of its first two iterations; the
 # comparison undoes that (2 * second - first) and allows that one value the printing's rounding.
@@ -35,27 +45,28 @@ OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SCENARIOS=("$@")
-[ "${#SCENARIOS[@]}" -gt 0 ] || SCENARIOS=(tp1 tp2 pp2 tp2pp2 dp2 drop_tp2 full_dsa selective resume resume_tp2pp2)
+[ "${#SCENARIOS[@]}" -gt 0 ] || SCENARIOS=(tp1 tp2 sp_tp2 pp2 tp2pp2 dp2 drop_tp2 full_dsa selective
+  resume resume_tp2pp2 bf16_sp bf16_selective bf16_resume)
 
-# A 4-layer GPT (hidden 64, 4 heads, sequence 32) on mock data, 6 iterations of a global batch
-# of 4. Vocabulary 200: Megatron pads it to a multiple of 128 x TP, and a NullTokenizer adds one
-# token under 0.16.1 and none under 0.19, so it is 256 at TP 1 and 2 alike (128 would stay 128 at
-# TP 1 under 0.19 and become 256 at TP 2: another model). Every fused kernel off (they need CUDA
-# or Apex), local layers (no Transformer Engine), constant learning rate, no evaluation
-# (--eval-interval: Megatron leaves it None with --eval-iters 0 and then divides by it).
-COMMON=(--transformer-impl local --mock-data --tokenizer-type NullTokenizer --vocab-size 200
+# A 4-layer GPT (hidden 64, 4 heads, sequence 32, RoPE) on mock data, 6 iterations of a global
+# batch of 4. Vocabulary 200: Megatron pads it to a multiple of 128 x TP, and a NullTokenizer adds
+# one token under 0.16.1 and none under 0.19, so it is 256 at TP 1 and 2 alike (128 would stay
+# 128 at TP 1 under 0.19 and become 256 at TP 2: another model). Constant learning rate, no
+# evaluation (--eval-interval: Megatron leaves it None with --eval-iters 0 and then divides by
+# it). Nothing else: no --transformer-impl, no --no-*-fusion, no --use-cpu-initialization.
+COMMON=(--mock-data --tokenizer-type NullTokenizer --vocab-size 200
   --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32
-  --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 6
-  --lr 1e-3 --lr-decay-style constant --seed 1234 --log-interval 1 --eval-iters 0
-  --eval-interval 1000 --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion
-  --no-gradient-accumulation-fusion --no-rope-fusion --no-persist-layer-norm)
+  --max-position-embeddings 32 --position-embedding-type rope --micro-batch-size 2
+  --global-batch-size 4 --train-iters 6 --lr 1e-3 --lr-decay-style constant --seed 1234
+  --log-interval 1 --eval-iters 0 --eval-interval 1000)
+read -r -a EXTRA <<< "${EXTRA_FLAGS:-}"
 NO_DROPOUT=(--hidden-dropout 0 --attention-dropout 0)
 
 train() {  # train NAME NPROC FLAGS...: run pretrain_gpt.py, keep its log and its losses
   local name="$1" nproc="$2"
   shift 2
   "$PY" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m megatron_core.megatron \
-    "$MLM/pretrain_gpt.py" "${COMMON[@]}" "$@" > "$OUT/$name.log" 2>&1
+    "$MLM/pretrain_gpt.py" "${COMMON[@]}" "${EXTRA[@]}" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   # "iteration        3/       6 | ... | lm loss: 5.389359E+00 |" -> "3 5.389359E+00"
   sed -n 's/.*iteration *\([0-9]*\)\/ *[0-9]* |.*lm loss: \([0-9.E+-]*\) |.*/\1 \2/p' \
@@ -125,6 +136,10 @@ run_scenario() {
     tp2) needs tp1
       train tp2 2 "${NO_DROPOUT[@]}" "${FROM_INIT[@]}" --tensor-model-parallel-size 2
       report tp2 $? tp1 1e-5 ;;
+    sp_tp2) needs tp1
+      train sp_tp2 2 "${NO_DROPOUT[@]}" "${FROM_INIT[@]}" --tensor-model-parallel-size 2 \
+        --sequence-parallel
+      report sp_tp2 $? tp1 1e-5 ;;
     pp2) needs tp1
       train pp2 2 "${NO_DROPOUT[@]}" "${FROM_INIT[@]}" --pipeline-model-parallel-size 2
       report pp2 $? tp1 1e-5 ;;
@@ -160,6 +175,20 @@ run_scenario() {
         --save-interval 3 --exit-interval 3; rc=$?; }
       [ "$rc" -eq 0 ] && { train resume_tp2pp2 4 "${par[@]}" --load "$OUT/ckpt_tp2pp2"; rc=$?; }
       report resume_tp2pp2 $rc drop_tp2pp2 0 4 ;;
+    bf16_sp) train bf16_sp 2 --bf16 --tensor-model-parallel-size 2 --sequence-parallel
+      report bf16_sp $? ;;
+    bf16_selective) needs bf16_sp
+      train bf16_selective 2 --bf16 --tensor-model-parallel-size 2 --sequence-parallel \
+        --recompute-granularity selective
+      report bf16_selective $? bf16_sp 0 ;;
+    bf16_resume) needs bf16_sp
+      local bf=(--bf16 --tensor-model-parallel-size 2 --sequence-parallel)
+      rm -rf "$OUT/ckpt_bf16"
+      train bf16_resume_first 2 "${bf[@]}" --save "$OUT/ckpt_bf16" --save-interval 3 \
+        --exit-interval 3
+      local rc=$?
+      [ "$rc" -eq 0 ] && { train bf16_resume 2 "${bf[@]}" --load "$OUT/ckpt_bf16"; rc=$?; }
+      report bf16_resume $rc bf16_sp 0 4 ;;
     *) echo "FAIL $1: no such scenario"; failed=1 ;;
   esac
 }
