@@ -112,6 +112,14 @@ def check_masks(report: Report) -> None:
     for mask_type, want in (("causal", causal(4, SQ)), ("causal_bottom_right", causal(4, SQ, 4))):
         compare(report, f"cross {mask_type}", cross, q4, k, v, want, attn_mask_type=mask_type)
     report.raises("thd", lambda: layer(q, k, v, qkv_format="thd"), "thd", "not provided")
+    with_max = DotProductAttention(H, D, num_gqa_groups=HKV, return_max_logit=True)
+    for mask_type, want_mask, given in (("causal", causal(SQ, SQ), None), ("padding", pair, pad)):
+        out, got = with_max(q, k, v, attention_mask=given, attn_mask_type=mask_type)
+        kr = k.double().repeat_interleave(H // HKV, 2)
+        scores = torch.einsum("ibhd,jbhd->bhij", q.double(), kr) / math.sqrt(D)
+        want = scores.masked_fill(want_mask, float("-inf")).amax(dim=(0, 2, 3))
+        report.close(f"max_logit {mask_type}", got, want, **TOL)
+        report.close(f"max_logit {mask_type} output", out, reference(q, k, v, want_mask), **TOL)
     report.raises(
         "attention bias",
         lambda: layer(q, k, v, core_attention_bias_type="post_scale_bias"),
@@ -237,7 +245,6 @@ def test_context_parallel_equals_the_full_sequence(world_size):
 def test_constructor_refusals_name_the_feature():
     for kwargs, needle in (
         ({"softmax_type": "learnable"}, "softmax_type"),
-        ({"return_max_logit": True}, "return_max_logit"),
         ({"kv_channels": (8, 16)}, "different sizes"),
         ({"qkv_format": "thd"}, "thd"),
         ({"cp_comm_type": "a2a+p2p"}, "hierarchical"),

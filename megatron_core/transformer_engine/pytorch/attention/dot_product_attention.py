@@ -27,8 +27,13 @@
    padding masks, sliding windows and the hierarchical ``a2a+p2p`` are refused by name.
 5. Refused by name (NOTE [ Transformer Engine stand-in ], rule 5): the "thd" format (packed
    sequences, megatron-core's ``packed_seq_params``), attention bias and ALiBi, softmax types
-   other than "vanilla", ``return_max_logit``, key and value head sizes that differ,
-   ``inference_params`` and FP8 output.
+   other than "vanilla", key and value head sizes that differ, ``inference_params``, FP8
+   output, and ``return_max_logit`` with context parallelism.
+6. ``return_max_logit`` (megatron-core's QK-clip and max-logit logging): the forward also
+   returns max_logit [h], the largest score q k^T * scale per head over the batch and every
+   query and key the mask lets through, computed apart without gradient in fp32 (query rows in
+   blocks of 128, so no [s, s] matrix of all heads is held at once), as Transformer Engine's
+   unfused backend defines it.
 """
 
 from __future__ import annotations
@@ -63,6 +68,32 @@ def _drop_missing_extra_state(module, incompatible_keys) -> None:
         missing.remove(key)
 
 
+@torch.no_grad()
+def max_logit(q, k, mask, causal: bool, scale: float, block: int = 128) -> torch.Tensor:
+    """[h]: the largest q k^T * scale per head over the batch and every (query, key) pair the
+    mask (and causal order) lets through (NOTE rule 6); -inf for a head that sees nothing.
+
+    Args:
+        q: [sq, b, h, d]; k: [sk, b, h_kv, d]; mask: bool broadcastable to [b, h, sq, sk],
+            True = masked out, or None.
+    """
+    sq, sk, heads = q.shape[0], k.shape[0], q.shape[2]
+    keys = k.float().permute(1, 2, 3, 0).repeat_interleave(heads // k.shape[2], dim=1)
+    best = torch.full((heads,), float("-inf"), device=q.device)
+    for start in range(0, sq, block):
+        rows = q[start : start + block].float().permute(1, 2, 0, 3)  # [b, h, rows, d]
+        scores = rows @ keys * scale  # [b, h, rows, sk]
+        hidden = torch.zeros(1, 1, rows.shape[2], sk, dtype=torch.bool, device=q.device)
+        if causal:
+            i = torch.arange(start, start + rows.shape[2], device=q.device)[:, None]
+            hidden = hidden | (torch.arange(sk, device=q.device)[None, :] > i)
+        if mask is not None:
+            hidden = hidden | mask[..., start : start + rows.shape[2], :]
+        scores = scores.masked_fill(hidden, float("-inf"))
+        best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+    return best
+
+
 class DotProductAttention(TransformerEngineBaseModule):
     """softmax(q k^T * scale + mask) v per head, on this package's attention core (NOTE [
     Stand-in DotProductAttention]).
@@ -80,7 +111,8 @@ class DotProductAttention(TransformerEngineBaseModule):
         layer_number, attention_type: kept ("self" or "cross").
         cp_group, cp_global_ranks, cp_stream, cp_comm_type: context parallelism (NOTE rule 4).
         softmax_scale: default 1 / sqrt(head size).
-        softmax_type, return_max_logit: only "vanilla" / False.
+        softmax_type: only "vanilla".
+        return_max_logit: also return the per-head maximum score (NOTE rule 6).
 
     Raises:
         MegatronCoreError: a refused option, heads not divisible by the groups, an unknown mask
@@ -114,7 +146,6 @@ class DotProductAttention(TransformerEngineBaseModule):
         owner = "DotProductAttention"
         if softmax_type != "vanilla":
             raise not_provided(f"{owner}(softmax_type={softmax_type!r}): softmax with an offset")
-        refuse_if_set(owner, {"return_max_logit": return_max_logit}, "the max-logit output")
         self._check_format(qkv_format)
         k, v = (kv_channels, kv_channels) if isinstance(kv_channels, int) else kv_channels
         if k != v:
@@ -243,12 +274,19 @@ class DotProductAttention(TransformerEngineBaseModule):
             mask_type, attention_mask, q.shape[0], k.shape[0], q.shape[1], window,
             cu_seqlens_q, cu_seqlens_kv, q.device, cp,
         )  # fmt: skip
+        if self.return_max_logit and cp:
+            raise not_provided(
+                "DotProductAttention(return_max_logit=True) with context parallelism"
+            )
         if checkpoint_core_attention:
             out = tp_checkpoint(self._attend, False, q, k, v, mask, causal, cp)
         else:
             out = self._attend(q, k, v, mask, causal, cp)
         out = out.reshape(out.shape[0], out.shape[1], -1)
-        return out.transpose(0, 1) if fmt == "bshd" else out
+        out = out.transpose(0, 1) if fmt == "bshd" else out
+        if self.return_max_logit:
+            return out, max_logit(q, k, mask, causal, self.softmax_scale)
+        return out
 
     def _attend(self, q, k, v, mask, causal: bool, cp: bool) -> torch.Tensor:
         """The core call with dropout in the tracker's stream (NOTE rules 1, 3, 4)."""
