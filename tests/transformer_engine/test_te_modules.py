@@ -316,6 +316,8 @@ def check_norms_and_autocast(report: Report, rank: int) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = layer(x)
         normed = LayerNorm(IN, device="cpu")(x)
+        from_bf16 = layer(x.bfloat16())  # a bf16 input with fp32 parameters: autocast decides
+    report.true("a bf16 input runs under autocast", from_bf16.dtype == torch.bfloat16)
     report.true("LayerNormLinear output is bf16", out.dtype == torch.bfloat16)
     report.true("LayerNorm output is bf16", normed.dtype == torch.bfloat16)
     want = F.linear(

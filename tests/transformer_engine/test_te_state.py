@@ -113,7 +113,8 @@ def _fp8_state(recipe) -> dict:
     }
 
 
-def test_fp8_metadata_is_kept_and_written_back():
+def test_fp8_metadata_is_kept_and_written_back(monkeypatch):
+    monkeypatch.setattr(base, "_WARNED_FP8_STATE", False)  # it warns once per process
     recipe = common.recipe.DelayedScaling(amax_history_len=16)
     data = torch.frombuffer(bytearray(pickle.dumps(_fp8_state(recipe))), dtype=torch.uint8)
     layer = Linear(4, 8, device="cpu")

@@ -24,6 +24,7 @@ merges it per expert. The stand-in reads and writes Transformer Engine 2.x's for
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import io
 import pickle
@@ -175,27 +176,20 @@ class TransformerEngineBaseModule(torch.nn.Module):
         for name, param in self.named_parameters(recurse=False):
             meta = self.param_init_meta.get(name, _ParameterInitMeta())
             if param.device.type == "meta":
+                where = resolve_device(None)
                 param = torch.nn.Parameter(
-                    torch.empty_like(param, device=resolve_device(None)), param.requires_grad
+                    torch.empty_like(param, device=where), param.requires_grad
                 )
-            if meta.init_fn is not None:
-                with torch.no_grad():
-                    if meta.get_rng_state_tracker is None:
-                        init_from_fp32_draw(meta.init_fn, param)
-                    else:
-                        tracker = meta.get_rng_state_tracker()
-                        fork = (
-                            tracker.fork(self.rng_tracker_name)
-                            if self.rng_tracker_name
-                            else (tracker.fork())
-                        )
-                        with fork:
-                            init_from_fp32_draw(meta.init_fn, param)
-            setattr(
-                self,
-                name,
-                param if isinstance(param, torch.nn.Parameter) else (torch.nn.Parameter(param)),
-            )
+                setattr(self, name, param)
+            if meta.init_fn is None:
+                continue
+            fork = contextlib.nullcontext()
+            if meta.get_rng_state_tracker is not None:
+                tracker = meta.get_rng_state_tracker()
+                name_ = self.rng_tracker_name
+                fork = tracker.fork(name_) if name_ else tracker.fork()
+            with fork, torch.no_grad():
+                init_from_fp32_draw(meta.init_fn, param)
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Use ``tp_group`` for the module's tensor-parallel communication."""

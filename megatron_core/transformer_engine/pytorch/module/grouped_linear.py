@@ -184,7 +184,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                 f"sizes summing to the input's rows ({inp.shape[0]})"
             )
         dtype = self.prepare_activation_dtype(inp)
-        check_dtypes("GroupedLinear", inp, [("weight0", self.weight0)], dtype)
+        check_dtypes("GroupedLinear", inp, [("weight0", self.weight0)])
         opts = LinearOptions(
             None, None, 1, False, self.fuse_wgrad_accumulation, is_first_microbatch
         )

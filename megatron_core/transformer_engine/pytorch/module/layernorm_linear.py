@@ -166,7 +166,7 @@ class LayerNormLinear(_ParallelGemm):
         )
         dtype = self.prepare_activation_dtype(inp)
         params = [("layer_norm_weight", self.layer_norm_weight), ("weight", self.weight)]
-        check_dtypes("LayerNormLinear", inp, params, dtype)
+        check_dtypes("LayerNormLinear", inp, params)
         ln_out = normalize(
             inp,
             self.layer_norm_weight,

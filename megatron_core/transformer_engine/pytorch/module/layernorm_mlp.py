@@ -256,7 +256,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
             with ``return_layernorm_output``.
         """
         dtype = self.prepare_activation_dtype(inp)
-        check_dtypes("LayerNormMLP", inp, [("fc1_weight", self.fc1_weight)], dtype)
+        check_dtypes("LayerNormMLP", inp, [("fc1_weight", self.fc1_weight)])
         ln_out = normalize(
             inp,
             self.layer_norm_weight,

@@ -97,12 +97,12 @@ class _ParallelGemm(TransformerEngineBaseModule):
         return out, (self.bias.to(dtype) if self.return_bias else None)
 
 
-def check_dtypes(owner: str, inp: torch.Tensor, params, dtype: torch.dtype) -> None:
+def check_dtypes(owner: str, inp: torch.Tensor, params) -> None:
     """Outside autocast, parameters and input must share a dtype (Transformer Engine asserts)."""
-    if dtype != inp.dtype:
+    if torch.is_autocast_enabled(inp.device.type):
         return  # autocast decides
     for name, param in params:
-        if param is not None and param.dtype != dtype:
+        if param is not None and param.dtype != inp.dtype:
             raise MegatronCoreError(
                 f"{owner}: input dtype {inp.dtype} and parameter {name!r} dtype {param.dtype} "
                 "differ outside an autocast region"
@@ -223,6 +223,6 @@ class Linear(_ParallelGemm):
         """
         refuse_if_set("Linear.forward", {"fp8_output": fp8_output, "fp8_grad": fp8_grad}, "FP8")
         dtype = self.prepare_activation_dtype(inp)
-        check_dtypes("Linear", inp, [("weight", self.weight)], dtype)
+        check_dtypes("Linear", inp, [("weight", self.weight)])
         out, bias = self._gemm("Linear", inp, is_first_microbatch, dtype)
         return (out, bias) if self.return_bias else out
