@@ -16,9 +16,12 @@ test, so a test that fails on one rank alone ends the session instead of hanging
 (NOTE [ Ranks out of step in a test session ] in ``_rank_steps.py``).
 
 megatron-core's unit-test conftest asks ``is_te_min_version`` before every test, which
-megatron-core 0.16.1 cannot answer without Transformer Engine: the switch answers it
-(NOTE [ Without Transformer Engine ], rule 5, in without_te.py), and the plugin gives the
-original back at the end of the session (rule 6).
+megatron-core 0.16.1 cannot answer without Transformer Engine: with the switch the Transformer
+Engine stand-in answers it (its version; NOTE [ Serving the Transformer Engine stand-in ]; where
+no ``transformer_engine`` is importable at all the switch's adapter does: NOTE [ Without
+Transformer Engine ], rule 5, in without_te.py). ``is_fa_min_version``, which some test files ask
+at collection, answers False without flash-attn (rule 8), and the plugin gives the originals
+back at the end of the session (rule 6).
 """
 
 from __future__ import annotations

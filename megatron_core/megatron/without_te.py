@@ -35,15 +35,20 @@ a table of adapters applied to megatron-core modules as the switch imports them.
    megatron-core's own otherwise; where ``transformer_engine`` can be imported it is not
    adapted at all.
 6. :func:`disarm` stops adapting later imports; adapted modules keep their adapters.
-   :func:`put_back` also gives back what an adapter replaced (rules 3-5: a new object in the
-   module's place); rules 2 and 7 change megatron-core's class in place and stay. The pytest
-   plugin puts back at the end of its session.
+   :func:`put_back` also gives back what an adapter replaced (rules 3-5 and 8: a new object in
+   the module's place); rules 2 and 7 change megatron-core's class in place and stay. The
+   pytest plugin puts back at the end of its session.
 7. megatron-core 0.19's ``HybridStack`` (``HybridModel``'s layers) is refused, before it builds
    any layer, when its layer types include one whose kernels are CUDA-only and whose package is
    not importable: Mamba (``M``: mamba-ssm, causal-conv1d) and GatedDeltaNet (``G``:
    flash-linear-attention). The message names the layer type, its symbol and the package;
    attention (``*``), MLP (``-``) and MoE (``E``) layers run on this package (with the
    Transformer Engine stand-in). Where the package imports, the layer is megatron-core's.
+8. ``megatron.core.utils.is_fa_min_version`` raises ``ModuleNotFoundError`` without
+   flash-attn (megatron-core 0.16.1 and 0.19), which its unit tests ask at collection time
+   (``tests/unit_tests/models/test_gpt_model.py``). Adapted, it answers False where
+   ``flash_attn`` cannot be imported, as rule 5 does for Transformer Engine; where it can, it
+   is megatron-core's own.
 """
 
 from __future__ import annotations
@@ -195,6 +200,20 @@ def _answer_without_te(original):
     return is_te_min_version
 
 
+def _answer_without_flash_attn(original):
+    """Rule 8."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        return original
+
+    @functools.wraps(original)
+    def is_fa_min_version(version, check_equality=True):
+        return False
+
+    return is_fa_min_version
+
+
 # Rule 7: layer symbol -> (layer type, the package whose import decides, what to install).
 _CUDA_ONLY_LAYERS = {
     "M": ("Mamba", "mamba_ssm", "mamba-ssm and causal-conv1d"),
@@ -226,7 +245,10 @@ def _refuse_cuda_only_layers(cls):
 
 
 ADAPTERS: dict[str, dict[str, object]] = {
-    "megatron.core.utils": {"is_te_min_version": _answer_without_te},
+    "megatron.core.utils": {
+        "is_te_min_version": _answer_without_te,
+        "is_fa_min_version": _answer_without_flash_attn,
+    },
     "megatron.core.jit": {"jit_fuser": _compile_on_first_call},
     "megatron.core.transformer.dot_product_attention": {
         "DotProductAttention": _context_parallel_attention

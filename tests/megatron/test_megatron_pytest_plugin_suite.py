@@ -3,8 +3,8 @@
 
 The suite below does in its own words what Megatron-LM's ``tests/unit_tests/conftest.py`` and
 ``test_utilities.Utils`` do: ask ``is_te_min_version("1.3")`` before every test (megatron-core
-raises TypeError without Transformer Engine; NOTE [ megatron-core's conftest without Transformer
-Engine ] in pytest_plugin.py) and pick a device with ``set_device(rank % device_count())``
+0.16.1 raises TypeError without Transformer Engine; with the switch the Transformer Engine
+stand-in answers) and pick a device with ``set_device(rank % device_count())``
 (ZeroDivisionError with torch's device_count() of 0; NOTE [ CUDA on the CPU ], rule 5).
 """
 
@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from megatron_core.megatron import SWITCH_ENV, cpu_mode, megatron_core_version
+from megatron_core.megatron import SWITCH_ENV, cpu_mode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [
@@ -80,7 +80,12 @@ def test_a_megatron_style_suite_runs_under_torchrun_with_one_flag(tmp_path):
     assert result.stdout.count("1 passed") == 2, result.stdout[-3000:]
 
 
-def test_is_te_min_version_is_answered_and_put_back():
+def test_version_questions_are_answered_and_put_back():
+    # megatron-core's unit-test conftest asks is_te_min_version before every test, and
+    # tests/unit_tests/models/test_gpt_model.py asks is_fa_min_version at collection time; without
+    # the libraries megatron-core's own raise (0.16.1: TypeError / ModuleNotFoundError). With the
+    # switch the Transformer Engine stand-in answers the first (its version, 2.11.0) and the
+    # adapter of NOTE [ Without Transformer Engine ], rule 8, the second; the plugin puts it back.
     code = """
         import json, warnings
         warnings.simplefilter("ignore")
@@ -90,15 +95,16 @@ def test_is_te_min_version_is_answered_and_put_back():
         config = SimpleNamespace(known_args_namespace=SimpleNamespace(megatron_core_switch=True))
         pytest_plugin.pytest_load_initial_conftests(config, None, [])
         import megatron.core.utils as utils
-        original = utils.is_te_min_version.__wrapped__
+        original = utils.is_fa_min_version.__wrapped__
         try:
-            original("1.3")
+            original("2.7.3")
             raised = None
-        except TypeError as error:
+        except ModuleNotFoundError as error:
             raised = type(error).__name__
-        answered = [utils.is_te_min_version("1.3"), utils.is_te_min_version("0.1", False)]
+        answered = [utils.is_te_min_version("1.3"), utils.is_te_min_version("2.12"),
+                    utils.is_fa_min_version("2.7.3")]
         pytest_plugin.pytest_unconfigure(config)
-        print(json.dumps([raised, answered, utils.is_te_min_version is original]))
+        print(json.dumps([raised, answered, utils.is_fa_min_version is original]))
         """
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -110,9 +116,8 @@ def test_is_te_min_version_is_answered_and_put_back():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     raised, answered, restored = json.loads(result.stdout.strip().splitlines()[-1])
-    # megatron-core 0.16.1's own raises without Transformer Engine; 0.19 answers False itself.
-    assert raised == ("TypeError" if megatron_core_version().startswith("0.16") else None)
-    assert answered == [False, False] and restored
+    assert raised == "ModuleNotFoundError"  # megatron-core's own, without flash-attn
+    assert answered == [True, False, False] and restored
 
 
 OUT_OF_STEP = """
