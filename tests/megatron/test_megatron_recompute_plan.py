@@ -264,3 +264,93 @@ def test_megatron_ddp_and_distributed_optimizer_states_are_counted():
         assert abs(states - counted) <= 0.001 * states, (counted, states)  # Adam's counters
         assert measured <= 1 << 30
         assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+
+
+def _megatron_pipeline_stage(microbatches):
+    """megatron-core's GPTModel as this rank's stage of a 2-stage 1F1B pipeline through the
+    switch: each option's prediction (the stage's own probe) against the allocator's total of
+    a whole step of the schedule on this rank."""
+    import dataclasses
+
+    from _megatron_gpt import install
+
+    from megatron_core.tensor_parallel.recompute.plan import (
+        in_flight_microbatches,
+        measure_chunks,
+        predict_peak,
+    )
+    from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks, step_total_peak
+
+    install()
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    seq, hidden = 64, 32
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(5)
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        num_layers=4, hidden_size=hidden, num_attention_heads=4, ffn_hidden_size=4 * hidden,
+        pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, hidden_dropout=0.1,
+        attention_dropout=0.1, use_cpu_initialization=True,
+    )  # fmt: skip
+    first = parallel_state.is_pipeline_first_stage()
+    last = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, seq, pre_process=first,
+                     post_process=last)  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+    labels = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+    positions = torch.arange(seq).unsqueeze(0).expand(BATCH, seq)
+
+    def run(model):
+        out = model(tokens if first else None, positions if first else None, None,
+                    labels=labels if last else None)  # fmt: skip
+        return out
+
+    def forward():  # the probe: a stage makes its input and returns a scalar (rule 3)
+        if not first:
+            model.set_input_tensor(torch.randn(seq, BATCH, hidden, requires_grad=True))
+        out = run(model)
+        return out.float().mean() if last else (out * torch.ones_like(out)).sum()
+
+    def forward_step(iterator, model):
+        next(iterator)
+        out = run(model)
+        return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
+
+    def step():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(range(microbatches)),
+            model=[model], num_microbatches=microbatches, seq_length=seq,
+            micro_batch_size=BATCH,
+        )  # fmt: skip
+
+    stage = measure_chunks([model], [forward], repeats=1, microbatches=microbatches)
+    stage = dataclasses.replace(
+        stage, microbatches=microbatches, in_flight=in_flight_microbatches(microbatches)
+    )
+    (view,) = _find_blocks(model)
+    rows = []
+    for option in ("none", "selective:core_attn", "full"):
+        choices = [option] * stage.layers
+        view.set_layer_recompute(choices)
+        step()  # as in training: a step before the measured one
+        rows.append((option, stage.static + predict_peak(stage, choices),
+                     step_total_peak(model, step)))  # fmt: skip
+    view.set_layer_recompute(None)
+    return stage.in_flight, rows
+
+
+def test_megatron_gpt_pipeline_stages_are_predicted():
+    # NOTE [ Recompute planner ], rule 3 on megatron-core's own GPTModel: PP 2 under 1F1B with
+    # four microbatches, stage 0 holding two at once; each stage's prediction against the
+    # allocator's total of a whole step of the schedule
+    results = run_distributed(_megatron_pipeline_stage, 2, 4, timeout=300)
+    assert [in_flight for in_flight, _ in results] == [2, 1]
+    for _, rows in results:
+        for option, predicted, measured in rows:
+            assert abs(predicted - measured) <= 0.05 * measured, (option, predicted, measured)

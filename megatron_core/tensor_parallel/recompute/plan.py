@@ -29,15 +29,15 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    round-robin over the options in a rotated order, as the step's work on this rank
    (``device.StepTimer``: this thread's CPU time on the CPU, CUDA events on a GPU), which
    other processes on a shared machine do not move as they move the wall clock (beside two
-   busy loops on 2 cores a wall-clock plan swapped to one 1.16x slower). ``t_o - t_none`` is
-   the median over the rounds of the difference within a round (two steps close in time); an
-   option costs that over L per layer, at least its share of a layer's forward FLOPs times a
-   third of a layer's step (``flop_ms``: the fallback where timing cannot see it), and at
-   least what any option recomputing less of the layer costs. How far the differences spread
-   is the stage's timing noise (``noise_ms``, rule 4). Still, CPU time moves with a shared
-   machine too (a core's other hardware thread, caches): on 2 shared cores one option's cost
-   read 7 ms in one process and 20 ms in the next, so rule 4 times the plans that could be the
-   fastest side by side. ``static``, what is
+   busy loops on 2 cores a wall-clock plan swapped to one 1.16x slower). CPU time moves with a
+   shared machine too, but only upwards (a core's other hardware thread, the caches: on 2
+   shared cores one option's median cost read 7 ms in one process and 20 ms in the next), so
+   ``t_o`` is an option's least round; an option costs ``(t_o - t_none) / L`` per layer, at
+   least its share of a layer's forward FLOPs times a third of a layer's step (``flop_ms``:
+   the fallback where timing cannot see it), and at least what any option recomputing less of
+   the layer costs. How far an option's median round lies above its least is the stage's
+   timing noise (``noise_ms``, rule 4), and rule 4 times the plans that could be the fastest
+   side by side. ``static``, what is
    allocated as a step begins, is the allocator's total after the probes with the gradients
    dropped, nothing subtracted (``device.allocated_bytes``: ``memory_allocated`` on CUDA, a
    census of the live storages on the CPU), plus the optimizer states its first step will
@@ -108,9 +108,9 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    within 1.5x of its overhead plus twice the noise, at most two, and the search's plan under
    the FLOP-share costs alone) and the near-budget edges below. Where they differ, each runs
    at least 5 rounds of one step, round-robin in a rotated order (the slowest rank's times),
-   and the fastest by median is the plan (``RecomputePlan.timed``), unless another is not
-   clearly slower (by 1% of the fastest's median in the median round and slower in 80% of the
-   rounds): then, among those, the one with the least FLOP share of recompute, so that a
+   those within 15% of the fastest by its least round run as many rounds again, and the
+   fastest by its least round of all is the plan (``RecomputePlan.timed``); where others are
+   within 1% of it, the one with the least FLOP share of recompute among them, so that a
    difference the rounds cannot see is decided by what does not move
    (``RecomputePlan.chosen_by``). The time model is a sum of per-layer costs from uniform
    probes, and a mixed plan's step can cost more than that sum (on a CPU one layer's
@@ -282,8 +282,8 @@ class RecomputePlan:
             megatron-core settings close to the best one, the FLOP-share search's plan), each
             a dict like an edge's; they join the timed candidates.
         chosen_by: "model" (the time model alone: nothing else to time), "time" (the fastest
-            timed candidate) or "flops" (the timed candidates the rounds could not tell apart
-            from the fastest, the least FLOP share of recompute among them).
+            timed candidate, by its least round) or "flops" (of the timed candidates the rounds
+            could not tell apart from the fastest, the least FLOP share of recompute).
         edges: the per-layer plan and the megatron setting that are predicted faster but fit
             only without the 2% margin (rule 4), each a dict with ``source`` ("plan" or
             "megatron"), ``choices``, ``predicted_peak``, ``overhead_ms`` (and ``fields``);
@@ -369,7 +369,7 @@ class RecomputePlan:
             how = {"time": "the fastest is the plan", "flops": "the rounds could not tell the "
                    "fastest from the others within 1%: the least FLOP share of recompute among "
                    "them is the plan"}[self.chosen_by]  # fmt: skip
-            lines.append(f"  timed per microbatch: {said} ({how})")
+            lines.append(f"  timed per microbatch, the least of its rounds: {said} ({how})")
         if self.megatron is None:
             lines.append("  megatron-core TransformerConfig: no single setting fits")
         else:

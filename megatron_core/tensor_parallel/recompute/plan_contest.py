@@ -3,8 +3,9 @@ and may be the fastest run side by side, and the time they measure chooses among
 
 :func:`rivals` names the plans beside the search's (or megatron-core's) own that a noisy or
 biased time model could have ranked wrongly; :func:`timed_choice` measures the near-budget
-edges' peaks, times every candidate in rounds and keeps the fastest, or, where the rounds
-cannot tell the fastest from another, the one that recomputes the smallest share of the FLOPs.
+edges' peaks, times every candidate in rounds, runs those within 15% of the fastest as many
+rounds again, and keeps the fastest by its least round, or, where the rounds cannot tell it
+within 1% from another, the one that recomputes the smallest share of the FLOPs.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from megatron_core.tensor_parallel.recompute.plan_search import (
     with_flop_costs,
 )
 
-__all__ = ["rivals", "timed_choice", "CONTEST_ROUNDS", "CLEAR_SHARE"]
+__all__ = ["rivals", "timed_choice", "CONTEST_ROUNDS", "CLEAR_SHARE", "RECHECK_SHARE"]
 
 CONTEST_ROUNDS = 5  # rounds of the timed candidates (at least; more where ``repeats`` asks)
-CLEAR_SHARE = 0.01  # a candidate is clearly slower: this much slower in the median round ...
-_CLEAR_ROUNDS = 0.8  # ... and slower in at least this share of the rounds
+CLEAR_SHARE = 0.01  # a candidate whose least round is this much above the fastest's is slower
+RECHECK_SHARE = 0.15  # the candidates this close to the fastest run a second set of rounds
 _MEGATRON_RIVALS = 2
 
 
@@ -68,10 +69,14 @@ def timed_choice(plan, chunks, forwards, repeats: int):
     with its choices (the stage's largest peak) and joins the candidates where
     :func:`fits_when_measured`; where the candidates (the per-layer plan, the megatron one, the
     edges that fit, the rivals) differ, each runs ``max(repeats, CONTEST_ROUNDS)`` timed steps
-    (round-robin, rotated; the slowest rank's times). The fastest by median is kept, unless
-    another is not clearly slower than it (slower by ``CLEAR_SHARE`` of its median, in 80% of
-    the rounds): then, of those, the one with the least FLOP share of recompute (rule 2's
-    fallback), so a difference the rounds cannot see does not decide. The time model adds
+    (round-robin, rotated; the slowest rank's times), and a candidate's time is its least
+    round: a shared machine only ever adds to a step's work (another hardware thread on the
+    core, the caches), so the least round is the one closest to the step's own; on 2 shared
+    cores it still read a plan 6.5% slower than another as the faster in one run of ten. So
+    the candidates within ``RECHECK_SHARE`` of the fastest run as many rounds again, and the
+    fastest of all rounds is kept; where others are within ``CLEAR_SHARE`` of it, the one with
+    the least FLOP share of recompute among them (rule 2's fallback), so that a difference
+    the rounds cannot see does not decide. The time model adds
     per-layer costs measured on uniform probes; a mixed plan's step can cost more than that sum
     (on a CPU, recomputing one layer's core attention beside layers that keep theirs cost 2-4x
     its uniform share), and every candidate fits the budget."""
@@ -111,32 +116,40 @@ def timed_choice(plan, chunks, forwards, repeats: int):
         megatron = megatron_dicts.get("edge_megatron", megatron)
         return dataclasses.replace(plan, edges=edges, megatron=megatron)
     names = list(distinct.values())
-    rounds = _rounds(chunks, forwards, [candidates[n][0] for n in names], repeats)
-    medians = [sorted(r)[len(r) // 2] for r in rounds]
-    timed = {f"{name}_ms": ms for name, ms in zip(names, medians)}
-    fastest = medians.index(min(medians))
-    close = [i for i in range(len(names)) if not _clearly_slower(rounds[i], rounds[fastest])]
-    flops = {i: flop_overhead(plan.stage, candidates[names[i]][0]) for i in close}
-    chosen = names[min(close, key=lambda i: (flops[i], i != fastest, medians[i]))]
+    count = max(repeats, CONTEST_ROUNDS)
+    least = dict(zip(names, _least(chunks, forwards, [candidates[n][0] for n in names], count)))
+    close = _close(least, RECHECK_SHARE)
+    if len(close) > 1:  # compare again: the close ones, as many rounds more
+        again = _least(chunks, forwards, [candidates[n][0] for n in close], count)
+        least.update({n: min(least[n], ms) for n, ms in zip(close, again)})
+    close = _close(least, CLEAR_SHARE)
+    fastest = min(least, key=least.__getitem__)
+    flops = {n: flop_overhead(plan.stage, candidates[n][0]) for n in close}
+    chosen = min(close, key=lambda n: (flops[n], n != fastest, least[n]))
     choices, peak, overhead = candidates[chosen]
-    # the megatron setting reported: the fastest-timed megatron-core one, or the chosen plan
-    # where that is one
-    ms = {name: timed[distinct[tuple(candidates[name][0])] + "_ms"] for name in megatron_dicts}
+    timed = {f"{name}_ms": least[name] for name in names}
+    # the megatron setting reported: the chosen plan where it is one, else the fastest-timed
+    ms = {name: least[distinct[tuple(candidates[name][0])]] for name in megatron_dicts}
     if chosen in megatron_dicts:
         megatron = megatron_dicts[chosen]
     elif ms:
         megatron = megatron_dicts[min(ms, key=ms.__getitem__)]
     return dataclasses.replace(
         plan, choices=list(choices), predicted_peak=peak, overhead_ms=overhead, timed=timed,
-        edges=edges, megatron=megatron, chosen_by="time" if chosen == names[fastest] else "flops",
+        edges=edges, megatron=megatron, chosen_by="time" if chosen == fastest else "flops",
     )  # fmt: skip
 
 
-def _rounds(chunks, forwards, plans: list, repeats: int) -> list[list[float]]:
-    """Per plan, its step's milliseconds in each round (every chunk's microbatch summed; the
-    slowest rank's), the plans run round-robin in a rotated order (a slow spell of a shared
-    machine hits them alike)."""
-    count = max(repeats, CONTEST_ROUNDS)
+def _close(least: dict[str, float], share: float) -> list[str]:
+    """The candidates whose time is within ``share`` of the fastest's (it included)."""
+    best = min(least.values())
+    return [name for name, ms in least.items() if ms <= best * (1 + share)]
+
+
+def _least(chunks, forwards, plans: list, count: int) -> list[float]:
+    """Per plan, the least of ``count`` rounds of its step's milliseconds (every chunk's
+    microbatch summed; each round the slowest rank's), the plans run round-robin in a rotated
+    order (a slow spell of a shared machine hits them alike)."""
     times: list[list[float]] = [[0.0] * count for _ in plans]
     for round_ in range(count):
         for i in range(len(plans)):
@@ -148,17 +161,7 @@ def _rounds(chunks, forwards, plans: list, repeats: int) -> list[list[float]]:
     for chunk in chunks:
         _find_blocks(chunk)[0].set_layer_recompute(None)
     flat = stage_max([ms for plan_times in times for ms in plan_times])
-    return [flat[i * count : (i + 1) * count] for i in range(len(plans))]
-
-
-def _clearly_slower(mine: list[float], fastest: list[float]) -> bool:
-    """Whether ``mine`` is slower than ``fastest`` beyond the rounds' noise: by ``CLEAR_SHARE``
-    of the fastest's median in the median round, and in at least 80% of the rounds."""
-    differences = sorted(a - b for a, b in zip(mine, fastest))
-    typical = differences[len(differences) // 2]
-    slower = sum(d > 0 for d in differences)
-    median = sorted(fastest)[len(fastest) // 2]
-    return typical > CLEAR_SHARE * median and slower >= _CLEAR_ROUNDS * len(differences)
+    return [min(flat[i * count : (i + 1) * count]) for i in range(len(plans))]
 
 
 def _one_step_peak(chunk, forward, choices) -> int:

@@ -149,20 +149,18 @@ def measure_stage(
 
 
 def _paired(times: dict[str, list[float]], options) -> tuple[float, dict[str, float], float]:
-    """From each option's timed rounds (the slowest rank's): the "none" step's median, each
-    option's median over the rounds of its step minus "none"'s in the same round (a pair of
-    steps close in time, which a slow spell of the machine hits alike), and the noise: the
-    largest half-range of those differences (rule 2)."""
+    """From each option's timed rounds (each round the slowest rank's): the "none" step's
+    least round, each option's least round minus that (a shared machine only ever adds to a
+    step's work: another hardware thread on the core, the caches; the least round is the one
+    closest to the step's own), and the noise: the most any option's median round lies above
+    its least (rule 2)."""
     flat = stage_max([ms for option in options for ms in times[option]])
     count = len(times[options[0]])
-    rounds = {o: flat[i * count : (i + 1) * count] for i, o in enumerate(options)}
-    deltas, noise = {}, 0.0
-    for option in options:
-        differences = sorted(a - b for a, b in zip(rounds[option], rounds["none"]))
-        deltas[option] = differences[len(differences) // 2]
-        noise = max(noise, (differences[-1] - differences[0]) / 2)
-    none = sorted(rounds["none"])
-    return none[len(none) // 2], deltas, noise
+    rounds = {o: sorted(flat[i * count : (i + 1) * count]) for i, o in enumerate(options)}
+    none = rounds["none"][0]
+    deltas = {option: rounds[option][0] - none for option in options}
+    noise = max(r[len(r) // 2] - r[0] for r in rounds.values())
+    return none, deltas, noise
 
 
 def _probe_kept_buffers_first(model, choices, forward, microbatches: int) -> Probe:

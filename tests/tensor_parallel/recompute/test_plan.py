@@ -413,17 +413,18 @@ def test_the_faster_of_the_searched_and_megatron_plans_is_kept(slow):
 @pytest.mark.parametrize(
     "selective_rounds, chosen, by",
     [
-        ([99.5, 101.0, 102.0, 100.5, 101.5], "selective:core_attn", "flops"),  # 1%: a tie
-        ([105.0] * 5, "full", "time"),  # 5% slower in every round
-        ([95.0, 103.0, 94.0, 96.0, 97.0], "selective:core_attn", "time"),  # faster
+        ([103.0, 100.5, 104.0, 101.0, 102.0], "selective:core_attn", "flops"),  # within 1%
+        ([105.0, 104.0, 150.0, 104.5, 106.0], "full", "time"),  # 4% slower at its least
+        ([120.0, 95.0, 130.0, 99.0, 97.0], "selective:core_attn", "time"),  # faster at least
     ],
 )
 def test_the_contest_keeps_the_fastest_or_the_least_flops_where_rounds_cannot_tell(
     monkeypatch, selective_rounds, chosen, by
 ):
     # NOTE [ Recompute planner ], rule 4: full recompute on both layers takes 100 ms in every
-    # round; the FLOP-share rival (core attention only: less FLOP share) takes the given times.
-    # One not clearly slower than the fastest (1% in the median round, 80% of the rounds)
+    # round; the FLOP-share rival (core attention only: less FLOP share) the given times, the
+    # same again where it is compared again. A candidate's time is its least round (a shared
+    # machine only adds work); one within 1% of the fastest after a second set of rounds
     # leaves the choice to the FLOP share.
     from megatron_core.tensor_parallel.recompute import plan_contest
     from megatron_core.tensor_parallel.recompute.plan import RecomputePlan
@@ -438,7 +439,7 @@ def test_the_contest_keeps_the_fastest_or_the_least_flops_where_rounds_cannot_te
     selective = ["selective:core_attn"] * 2
     rival = {"source": "flops", "choices": selective, "predicted_peak": 7, "overhead_ms": 4.0}
     plan = RecomputePlan(["full"] * 2, 100, False, 5, 6.0, 10.0, None, stage, rivals=[rival])
-    rounds = {("full", "full"): iter([100.0] * 5), tuple(selective): iter(selective_rounds)}
+    rounds = {("full", "full"): iter([100.0] * 10), tuple(selective): iter(selective_rounds * 2)}
     monkeypatch.setattr(plan_contest, "time_step", lambda m, c, f, r: next(rounds[tuple(c)]))
 
     class Block(torch.nn.Module):
@@ -449,8 +450,8 @@ def test_the_contest_keeps_the_fastest_or_the_least_flops_where_rounds_cannot_te
 
     decided = plan_contest.timed_choice(plan, [torch.nn.Sequential(Block())], [None], 3)
     assert decided.choices == [chosen] * 2 and decided.chosen_by == by, decided.timed
-    assert set(decided.timed) == {"plan_ms", "flops_0_ms"}
-    assert "timed per microbatch: the per-layer search's plan" in str(decided)
+    assert decided.timed == {"plan_ms": 100.0, "flops_0_ms": min(selective_rounds)}
+    assert "timed per microbatch" in str(decided)
 
 
 def _near_the_budget(tp, share):
