@@ -189,13 +189,24 @@ def agree(
     raise RankDisagreementError(_text.message(op, group, per_rank)) from error
 
 
+_MERGED = -1  # a backward mark's digest exchange agreed the collective: record it only
+
+
 def _decide(group: dist.ProcessGroup | None) -> int:
     """switch.decide, a due backward mark made first (NOTE [ Check window ], rule 1)."""
     decision = switch.decide(group)
-    if decision == MARK_FIRST:
-        marks.backward_mark()
-        decision = switch.decide(group)
-    return decision
+    return _after_mark(group, None) if decision == MARK_FIRST else decision
+
+
+def _after_mark(group: dist.ProcessGroup | None, head: digest.Head | None) -> int:
+    """Make the due backward mark; where the collective's group is closed, ``head`` (the
+    collective) is agreed in the mark's digest exchange of that group (rule 6): ``_MERGED``."""
+    name = (dist.group.WORLD if group is None else group).group_name
+    if head is not None and name in switch.window().closed:
+        marks.backward_mark((name, head))
+        return _MERGED
+    marks.backward_mark()
+    return switch.decide(group)
 
 
 def should_check(group: dist.ProcessGroup | None) -> bool:
@@ -223,12 +234,14 @@ def check_collective(
     collective of each iteration): NOTE [ Check window ] in switch.py, rules 5 and 6. Off, or
     on a one-rank group: return at once (no checksum is computed). Called at the top of each
     collective of the package."""
-    decision = _decide(group)
+    decision = switch.decide(group)
+    if decision == MARK_FIRST:
+        decision = _after_mark(group, digest.Head(op, tensor, shape, dtype, args, content, None))
     if decision == SKIP:
         return
     if decision != CHECK:
         digest.fold(group, op, tensor, shape, dtype, args, content)
-    if decision != FOLD:
+    if decision in (CHECK, HEAD):
         agree(op, group, tensor, shape=shape, dtype=dtype, content=content, **args)
 
 
@@ -250,12 +263,16 @@ def check_ids(op: str, group: dist.ProcessGroup, ids: torch.Tensor, limit: int) 
     should be the same on every rank, so every rank raises alike) for good, and the ids' checksum
     goes into the digest (NOTE [ Check window ], rules 5 and 7). Mode OFF: nothing (zero
     vectors, megatron-core's behaviour)."""
-    decision = _decide(group)
-    if decision in (FOLD, HEAD):
+    decision = switch.decide(group)
+    if decision == MARK_FIRST:
+        error = _ids_outside(op, ids, limit)
+        head = digest.Head(op, ids, None, None, {"limit": limit}, ids, error)
+        decision = _after_mark(group, head)  # merged: the exchange raised any error on all
+    if decision in (FOLD, HEAD, _MERGED):
         digest.fold(group, op, ids, None, None, {"limit": limit}, ids)
     if decision in (CHECK, HEAD):
         agree(op, group, ids, error=_ids_outside(op, ids, limit), content=ids, limit=limit)
-    elif mode() is not CheckMode.OFF:
+    elif decision != _MERGED and mode() is not CheckMode.OFF:
         error = _ids_outside(op, ids, limit)
         if error is not None:
             raise error

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from megatron_core.consistency import text as _text
 from megatron_core.errors import RankDisagreementError
 from megatron_core.parallel_state.agreement import SLOTS, exchange, exchange_text, hash_text
 
-__all__ = ["fold", "compare", "discard", "pending"]
+__all__ = ["Head", "fold", "compare", "discard", "pending"]
 
 _MAGIC = 0x4D435F4449474553  # "MC_DIGES": a rank in another exchange shows up as a mismatch
 
@@ -97,19 +98,48 @@ def _readable(records: list, checksums: list) -> list[dict[str, str]]:
     return out
 
 
-def compare(groups, where: str, marks: int) -> None:
+class Head(NamedTuple):
+    """The collective about to run when a backward mark is due (NOTE [ Check window ], rule 6):
+    agreed in the digest's exchange of its group instead of an exchange of its own."""
+
+    op: str
+    tensor: torch.Tensor | None
+    shape: tuple | None
+    dtype: torch.dtype | None
+    args: dict
+    content: torch.Tensor | None
+    error: BaseException | None
+
+
+def _head_values(head: Head) -> tuple[list[int], dict]:
+    """(two slots: the head's hash and whether this rank's local checks failed, the args as
+    agree compares them)."""
+    args = dict(head.args)
+    if head.content is not None:
+        args["content checksum"] = _text.checksum(head.content)
+    tensor, shape, dtype = head.tensor, head.shape, head.dtype
+    if tensor is not None:
+        shape = tuple(tensor.shape) if shape is None else shape
+        dtype = tensor.dtype if dtype is None else dtype
+    described = repr((head.op, None if shape is None else tuple(shape), str(dtype)))
+    return [hash_text(described + repr(sorted(args.items()))), int(head.error is not None)], args
+
+
+def compare(groups, where: str, marks: int, head: tuple[str, Head] | None = None) -> None:
     """Compare every group's records since its last digest across its ranks (NOTE [ Check
     window ], rule 5): ``groups`` is ``[(name, group)]`` in name order, the same on every rank;
     ``where`` says where in the iteration (for the message); ``marks`` is the iteration count.
+    ``head``: (group name, the collective about to run on it), agreed in that group's exchange.
 
     Raises:
-        RankDisagreementError: on every rank of a group whose records differ, after every group
-            has been compared (the first such group's message).
+        RankDisagreementError: on every rank of a group whose records (or head) differ, after
+            every group has been compared (the first such group's message).
         CollectiveError: the exchange itself failed (a dead peer, the peer deadline).
     """
     settings = hash_text(switch.describe_settings())
     found = []
     for name, group in groups:
+        mine = head[1] if head is not None and head[0] == name else None
         if dist.get_world_size(group) == 1:
             continue
         entry = _GROUPS.get(name)
@@ -121,16 +151,26 @@ def compare(groups, where: str, marks: int) -> None:
         text = repr(records) + "|" + repr(checksums)
         digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
         values = [_MAGIC, digest >> 1, len(records), settings, marks]
-        table = _exchange(values + [0] * (SLOTS - len(values)), group)
-        if bool((table == table[0]).all()):
+        head_slots, head_args = _head_values(mine) if mine is not None else ([0, 0], {})
+        table = _exchange(values + head_slots + [0] * (SLOTS - len(values) - 2), group)
+        if not bool(table[:, 6].any()) and bool((table == table[0]).all()):
             entry.agreed_raw = (records, checksums)
             continue
-        mine = {"records": _readable(records, checksums), "iterations": marks}
-        mine["settings"] = switch.describe_settings()
+        info = {"records": _readable(records, checksums), "iterations": marks}
+        info["settings"] = switch.describe_settings()
         if entry.agreed_raw is not None:
-            mine["before"] = _readable(*entry.agreed_raw)
-        per_rank = [json.loads(t) for t in _exchange_text(json.dumps(mine), group)]
-        found.append(_message(group, where, per_rank))
+            info["before"] = _readable(*entry.agreed_raw)
+        if mine is not None:
+            h = mine
+            info["head"] = _text.readable(h.op, h.tensor, h.shape, h.dtype, head_args, h.error)
+        per_rank = [json.loads(t) for t in _exchange_text(json.dumps(info), group)]
+        heads = [r.get("head") for r in per_rank]
+        if heads[0] is not None and (
+            any("error" in h for h in heads) or any(h != heads[0] for h in heads)
+        ):  # the collective about to run first: as its own agreement would name it
+            found.append(_text.message(heads[0]["op"], group, heads))
+        else:
+            found.append(_message(group, where, per_rank))
     if found:
         more = f" (and {len(found) - 1} more group(s))" if len(found) > 1 else ""
         raise RankDisagreementError(found[0] + more)

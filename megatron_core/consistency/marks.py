@@ -35,16 +35,17 @@ _PLACES = {
 }
 
 
-def compare_now(place: str = "block") -> None:
+def compare_now(place: str = "block", head=None) -> None:
     """Compare the digest of every group that has one (rule 5), in the default mode only;
-    ``place`` names where in the iteration, for the message. Every rank must call it alike."""
+    ``place`` names where in the iteration, for the message; ``head``: see digest.compare.
+    Every rank must call it alike."""
     if switch.mode() is not switch.CheckMode.WINDOW:
         return
     state = switch.window()
     groups = switch.take_digested()
     if groups:  # a block's mark began its iteration; the others end theirs (before counting)
         number = state.marks + (0 if place in ("block", "step") else 1)
-        digest.compare(groups, _PLACES[place].format(n=number), state.marks)
+        digest.compare(groups, _PLACES[place].format(n=number), state.marks, head)
 
 
 @contextlib.contextmanager
@@ -86,15 +87,19 @@ def note_iteration(source: str = "finalize") -> None:
     _outside_blocks(source)
 
 
-def backward_mark() -> None:
-    """Rule 1's weakest mark, when switch.decide found it due: compare, then begin the next."""
-    _outside_blocks("backward")
+def backward_mark(head=None) -> None:
+    """Rule 1's weakest mark, when switch.decide found it due: compare, then begin the next.
+    ``head``: (group name, digest.Head) of the collective that found it due, when its group is
+    closed: agreed in that group's digest exchange, and no head of its own afterwards."""
+    _outside_blocks("backward", head)
+    if head is not None:
+        switch.window().heads.discard(head[0])
 
 
-def _outside_blocks(source: str) -> None:
+def _outside_blocks(source: str, head=None) -> None:
     state = switch.window()
     if state.depth == 0 and switch.counts(source):
-        compare_now(source)
+        compare_now(source, head)
         switch.mark(source, "train")
 
 

@@ -58,6 +58,7 @@ This module holds the settings and the window's state, and decides for each coll
 6. Heads: the first collective on each closed group after an iteration begins is agreed as in
    the window. A disagreement that starts with the data (a batch or sequence length that
    differs on one rank) reaches every group first there, so it raises instead of aborting gloo.
+   A backward mark is made at such a collective: its group's digest exchange agrees it too.
 7. What is guaranteed. In the window: every disagreement of a package collective raises on
    every rank of its group before the collective. After it: a disagreement in an iteration's
    first collective on a group raises before that collective; any other raises at the
@@ -76,7 +77,11 @@ This module holds the settings and the window's state, and decides for each coll
    them (every rank alike) restarts every window, the digest and the iteration count.
 9. Cost after the window: per collective, a dictionary lookup and a tuple appended (a checksum
    kernel for the few collectives with contents); per iteration and group, one 128-byte
-   all-gather for the head and one for the digest.
+   all-gather for the head and one for the digest (one for both at a backward mark). On a
+   GPU nothing waits for the device per collective: the records are host values and the
+   checksums stay on the device until the digest reads them back once per iteration (with the
+   head's contents, where it has any); the embedding's range check (rule 7) reads its ids'
+   min and max once per forward.
 """
 
 from __future__ import annotations

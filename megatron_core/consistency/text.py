@@ -155,14 +155,37 @@ def message(op: str, group: dist.ProcessGroup, per_rank: list[dict[str, str]]) -
     )
 
 
+_WEIGHTS: dict[tuple, torch.Tensor] = {}  # (numel, device, dtype) -> 1..1009 repeating
+
+
+def _weights(numel: int, where: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    key = (numel, where, dtype)
+    weights = _WEIGHTS.get(key)
+    if weights is None:
+        if len(_WEIGHTS) >= 16:  # a few shapes recur (ids, targets, saved inputs)
+            _WEIGHTS.clear()
+        weights = torch.arange(numel, device=where) % 1009 + 1
+        weights = _WEIGHTS[key] = weights.to(dtype)
+    return weights
+
+
 def device_checksum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum and position-weighted sum of the values (weights 1..1009), as a float64 tensor [2] on
     the tensor's device (no sync): equal tensors give equal checksums; a changed or moved value
-    almost surely changes one."""
+    almost surely changes one. Floating values are summed in their own precision (float32 for
+    half types, a dot product with cached weights: one pass each), integers exactly."""
     flat = tensor.detach().reshape(-1)
-    flat = flat.double() if flat.is_floating_point() or flat.is_complex() else flat.long()
-    weights = torch.arange(flat.numel(), device=flat.device) % 1009 + 1
-    return torch.stack([flat.sum(), (flat * weights).sum()]).double()
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.is_floating_point():
+        if flat.element_size() < 4:
+            flat = flat.float()
+        weights = _weights(flat.numel(), flat.device, flat.dtype)
+        sums = [flat.sum(), torch.dot(flat, weights)]
+    else:
+        flat = flat.long()
+        sums = [flat.sum(), (flat * _weights(flat.numel(), flat.device, torch.long)).sum()]
+    return torch.stack(sums).double()
 
 
 def checksum(tensor: torch.Tensor) -> str:

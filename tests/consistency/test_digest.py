@@ -20,6 +20,7 @@ from megatron_core.parallel_state import agreement
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    VocabParallelEmbedding,
     checkpoint,
     model_parallel_cuda_manual_seed,
     reduce_from_tensor_model_parallel_region,
@@ -111,12 +112,14 @@ def _same_everywhere(results):
 
 
 @pytest.mark.parametrize("loop", ["sgd", "none", "checkpoint", "checkpoint_reentrant"])
-def test_after_the_window_each_iteration_costs_two_exchanges_per_group(loop):
+def test_after_the_window_an_iteration_costs_one_or_two_exchanges_per_group(loop):
     """In the window every collective is agreed: per microbatch Row's forward all-reduce, the
     probe's and Column's backward all-reduce (and, under a reentrant checkpoint, the
     recompute's two). After it an iteration exchanges twice on the TP group: its head and its
     digest. "sgd" is marked at its steps; the other loops mark nothing but their backward
-    passes, so each forward and backward is an iteration there (rule 1)."""
+    passes, so each forward and backward is an iteration there (rule 1), and the mark, made at
+    the next forward's first collective, agrees that collective (the head) in its digest
+    exchange: one exchange per forward and backward."""
     script = {"iterations": 7, "loop": loop}
     record = _same_everywhere(run_distributed(_loop, 2, script, timeout=120))
     exchanges = [count for _, count in record]
@@ -130,9 +133,9 @@ def test_after_the_window_each_iteration_costs_two_exchanges_per_group(loop):
     # each microbatch's first forward collective after a backward marks it (the first none)
     assert [seen for seen, _ in record] == [(2 * i - 1, 2 * i - 1) for i in range(1, 8)]
     # loop iteration 2 ends the window (its second microbatch is the third marked iteration,
-    # whose first check closes the group); then two microbatches, each a head and a digest
+    # whose first check closes the group); then two microbatches, each one digest and head
     window = [10, 6] if loop == "checkpoint_reentrant" else [6, 4]
-    assert per_iteration == window + [4] * 5
+    assert per_iteration == window + [2] * 5
 
 
 @pytest.mark.parametrize("loop", ["sgd", "none", "checkpoint", "checkpoint_reentrant"])
@@ -221,3 +224,46 @@ def test_the_digest_of_a_device_group_runs_on_its_gloo_shadow(world_size):
             "the end of iteration 5 found"
         ), message
         assert "collective #2 (later) of the 2 each rank ran differs: shape" in message
+
+
+def _embedding_loop(bad: str):
+    """Forward and backward only: an embedding, then a ColumnParallelLinear (whose backward
+    all-reduce marks the iterations). At iteration 6 the last rank's ids differ (``bad`` =
+    "differ") or every rank's hold an id outside the vocabulary ("outside"): the embedding's
+    check is the collective that finds the backward mark due, agreed in its digest exchange."""
+    tp = dist.get_world_size()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_parallel_cuda_manual_seed(5)
+    config = ModelParallelConfig(tensor_model_parallel_size=tp)
+    embedding = VocabParallelEmbedding(
+        4 * tp, _HIDDEN, init_method=torch.nn.init.normal_, config=config
+    )
+    column = ColumnParallelLinear(
+        _HIDDEN, 2 * _HIDDEN, config=config, init_method=torch.nn.init.normal_
+    )
+    last = dist.get_rank() == tp - 1
+    with consistency.check_mode(consistency.CheckMode.WINDOW):
+        for it in range(1, 9):
+            ids = torch.tensor([[0, 1, 2]])
+            if it == 6 and (bad == "outside" or last):
+                ids = torch.tensor([[0, 1, 4 * tp + 5 if bad == "outside" else 3]])
+            try:
+                column(embedding(ids))[0].sum().backward()
+            except RankDisagreementError as exc:
+                return it, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("bad", ["differ", "outside"])
+def test_the_head_a_backward_mark_agrees_carries_the_checks_of_the_window(bad):
+    results = run_distributed(_embedding_loop, 2, bad, timeout=120)
+    where, message = _same_everywhere(results)
+    assert where == 6
+    if bad == "differ":
+        assert message.startswith(
+            "consistency check failed before VocabParallelEmbedding on the tensor-model-parallel"
+        ), message
+        assert "content checksum" in message
+    else:
+        assert message.startswith("VocabParallelEmbedding failed on 2 of the 2 ranks"), message
+        assert "ids [13] are outside [0, vocabulary size (8))" in message
