@@ -203,10 +203,15 @@ def _message(group: dist.ProcessGroup, where: str, per_rank: list[dict]) -> str:
             return head + f"{key}: {values}"
     longest = max(len(records) for records in lists)
     first = next(
-        i
-        for i in range(longest)
-        if len({json.dumps(records[i]) if i < len(records) else "" for records in lists}) > 1
+        (
+            i
+            for i in range(longest)
+            if len({json.dumps(records[i]) if i < len(records) else "" for records in lists}) > 1
+        ),
+        None,
     )
+    if first is None:  # the hashes differ, the readable records do not
+        return head + "their records hash differently, though they read the same"
     sizes = {len(records) for records in lists}
     if len(sizes) == 1:
         counts = f"of the {sizes.pop()} each rank ran differs"
