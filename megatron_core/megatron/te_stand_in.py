@@ -102,6 +102,9 @@ def serve() -> bool:
         return True
     if real_transformer_engine():
         return False
+    # a namespace package of that name imported earlier would shadow the stand-in (rule 1)
+    for name in [n for n in sys.modules if n == NAME or n.startswith(NAME + ".")]:
+        del sys.modules[name]
     _FINDER = StandInFinder()
     sys.meta_path.insert(0, _FINDER)
     return True

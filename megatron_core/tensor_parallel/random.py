@@ -319,15 +319,12 @@ class InferenceCudaRNGStatesTracker(_InferenceMode, CudaRNGStatesTracker):
 
 
 def _te_tracker_class(inference: bool) -> type:
-    """Transformer Engine's tracker with value-copy get/set_states; cuda only.
+    """Transformer Engine's tracker with value-copy get/set_states; cuda only with a real
+    Transformer Engine (the megatron switch's stand-in, whose tracker is this module's, runs on
+    any device).
 
-    See NOTE [ RNG streams ], rule 5. Untested here: no Transformer Engine in CI.
+    See NOTE [ RNG streams ], rule 5. A real Transformer Engine is untested here (none in CI).
     """
-    if device.device_type() != "cuda":
-        raise MegatronCoreError(
-            f"te_rng_tracker=True needs Transformer Engine on cuda; device type is "
-            f"{device.device_type()!r}"
-        )
     try:
         from transformer_engine.pytorch.distributed import CudaRNGStatesTracker as _TETracker
     except ImportError as e:
@@ -335,6 +332,11 @@ def _te_tracker_class(inference: bool) -> type:
             "te_rng_tracker=True needs Transformer Engine (transformer_engine.pytorch), which "
             f"could not be imported: {e}"
         ) from e
+    if device.device_type() != "cuda" and not issubclass(_TETracker, CudaRNGStatesTracker):
+        raise MegatronCoreError(
+            f"te_rng_tracker=True needs Transformer Engine on cuda; device type is "
+            f"{device.device_type()!r}"
+        )
 
     class TECudaRNGStatesTracker(_TETracker):
         """Transformer Engine's tracker with megatron-core's is_initialized and copying states."""

@@ -58,6 +58,11 @@ def served_report() -> dict:
     )
     recipe = pickle.loads(theirs)
     report["recipe"] = (type(recipe) is stand_in.common.recipe.DelayedScaling, recipe.margin)
+    # megatron-core's --te-rng-tracker: Transformer Engine's tracker, here the stand-in's
+    random.model_parallel_cuda_manual_seed(1, te_rng_tracker=True, force_reset_rng=True, tp_rank=0)
+    tracker = random.get_cuda_rng_tracker()
+    report["te tracker"] = isinstance(tracker, stand_in.pytorch.distributed.CudaRNGStatesTracker)
+    random.model_parallel_cuda_manual_seed(1, force_reset_rng=True, tp_rank=0)
     return report
 
 
@@ -69,6 +74,7 @@ def test_the_switch_serves_the_stand_in_as_transformer_engine():
     assert report["megatron HAVE_TE"] is True and report["random HAVE_TE"] is True
     assert report["min 2.11"] is True and report["min 2.12"] is False
     assert report["recipe"] == (True, 2)
+    assert report["te tracker"]
 
 
 def _python(code: str, pythonpath: str = "") -> str:

@@ -4,7 +4,8 @@ DotProductAttention (NOTE [ Stand-in DotProductAttention ]) is compared with an 
 attention computed from the same inputs (GQA by repeating K/V heads, masks built from their
 definitions): output and the gradients of Q, K and V, for every mask type, both layouts, a
 sliding window, grouped-query attention, and context parallelism at 2 and 4 ranks for every
-comm type (each rank's query rows against the full sequence's result). Dropout: the checkpointed
+comm type (each rank's query rows against the full sequence's result), packed sequences (THD,
+padding between them) and value heads smaller than key heads (MLA). Dropout: the checkpointed
 call replays the same mask (bitwise equal outputs and gradients). RoPE: the fused path equals
 an fp64 rotation; the unfused path equals Transformer Engine's formula; THD with CP rotates each
 sequence's rank chunks by their global positions.
@@ -111,7 +112,33 @@ def check_masks(report: Report) -> None:
     q4 = randn(4, B, H, D, seed=11)
     for mask_type, want in (("causal", causal(4, SQ)), ("causal_bottom_right", causal(4, SQ, 4))):
         compare(report, f"cross {mask_type}", cross, q4, k, v, want, attn_mask_type=mask_type)
-    report.raises("thd", lambda: layer(q, k, v, qkv_format="thd"), "thd", "not provided")
+    # packed sequences: lengths 3 and 4 starting at tokens 0 and 4 of 10 (padding between)
+    lengths, starts = [3, 4], [0, 4]
+    cu = torch.tensor([0, 3, 7])
+    padded = torch.tensor([0, 4, 10])
+    qt, kt, vt = (leaf(randn(10, heads, D, seed=40 + i)) for i, heads in enumerate((H, HKV, HKV)))
+    packing = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                   cu_seqlens_kv_padded=padded)  # fmt: skip
+    out = layer(qt, kt, vt, qkv_format="thd", attn_mask_type="padding_causal", **packing)
+    dy = randn(*out.shape, seed=43)
+    out.backward(dy)
+    want, grads = torch.zeros(10, H * D, dtype=torch.float64), []
+    for start, n in zip(starts, lengths):
+        parts = [leaf(x[start : start + n].double().unsqueeze(1)) for x in (qt, kt, vt)]
+        got = reference(*parts, causal(n, n)).squeeze(1)
+        got.backward(dy[start : start + n].double())
+        want[start : start + n] = got.detach()
+        grads.append(parts)
+    report.close("thd output (padding tokens zero)", out, want, **TOL)
+    for (start, n), parts in zip(zip(starts, lengths), grads):
+        for what, x, ref in zip("qkv", (qt, kt, vt), parts):
+            report.close(f"thd d{what} of sequence at {start}", x.grad[start : start + n],
+                         ref.grad.squeeze(1), **TOL)  # fmt: skip
+    report.true("thd padding gets no gradient", bool((qt.grad[3] == 0).all()))
+    # key heads of 12 channels, value heads of 8 (multi-latent attention's shape)
+    mla = DotProductAttention(H, (12, 8), num_gqa_groups=HKV)
+    qm, km = randn(SQ, B, H, 12, seed=50), randn(SQ, B, HKV, 12, seed=51)
+    compare(report, "value heads smaller than key heads", mla, qm, km, v, causal(SQ, SQ))
     with_max = DotProductAttention(H, D, num_gqa_groups=HKV, return_max_logit=True)
     for mask_type, want_mask, given in (("causal", causal(SQ, SQ), None), ("padding", pair, pad)):
         out, got = with_max(q, k, v, attention_mask=given, attn_mask_type=mask_type)
@@ -245,8 +272,7 @@ def test_context_parallel_equals_the_full_sequence(world_size):
 def test_constructor_refusals_name_the_feature():
     for kwargs, needle in (
         ({"softmax_type": "learnable"}, "softmax_type"),
-        ({"kv_channels": (8, 16)}, "different sizes"),
-        ({"qkv_format": "thd"}, "thd"),
+        ({"qkv_format": "tbhd"}, "qkv_format"),
         ({"cp_comm_type": "a2a+p2p"}, "hierarchical"),
     ):
         with pytest.raises(MegatronCoreError, match=needle):

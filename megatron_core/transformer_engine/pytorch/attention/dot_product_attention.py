@@ -25,10 +25,15 @@
    ``set_context_parallel_group``): the comm types p2p, all_gather and a2a, causal or no mask
    (an ``arbitrary`` mask of megatron-core's CP form [b or 1, 1, s/cp, s] passes through);
    padding masks, sliding windows and the hierarchical ``a2a+p2p`` are refused by name.
-5. Refused by name (NOTE [ Transformer Engine stand-in ], rule 5): the "thd" format (packed
-   sequences, megatron-core's ``packed_seq_params``), attention bias and ALiBi, softmax types
-   other than "vanilla", key and value head sizes that differ, ``inference_params``, FP8
-   output, and ``return_max_logit`` with context parallelism.
+5. Packed sequences ("thd", megatron-core's ``packed_seq_params``): each sequence of
+   ``cu_seqlens_q`` / ``cu_seqlens_kv`` (and their ``_padded`` starts) attends to its own keys
+   through the core, padding tokens get zeros (``packed.py``); not with context parallelism.
+   Key and value heads of different sizes (multi-latent attention: 192 and 128) run with the
+   smaller zero-padded to the larger (the scores and the output's first d_v channels are
+   exactly those of the unpadded computation; the scale stays the key size's).
+   Refused by name (NOTE [ Transformer Engine stand-in ], rule 5): attention bias and ALiBi,
+   softmax types other than "vanilla", ``inference_params``, FP8 output, and THD or
+   ``return_max_logit`` with context parallelism.
 6. ``return_max_logit`` (megatron-core's QK-clip and max-logit logging): the forward also
    returns max_logit [h], the largest score q k^T * scale per head over the batch and every
    query and key the mask lets through, computed apart without gradient in fp32 (query rows in
@@ -43,6 +48,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from megatron_core.attention import dot_product_attention
 from megatron_core.context_parallel import context_parallel_attention
@@ -54,11 +60,12 @@ from megatron_core.transformer_engine.pytorch.attention.masks import (
     check_window,
     normalize_mask_type,
 )
+from megatron_core.transformer_engine.pytorch.attention.packed import attend_packed
 from megatron_core.transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
 __all__ = ["DotProductAttention"]
 
-_FORMATS = ("sbhd", "bshd")
+_FORMATS = ("sbhd", "bshd", "thd")
 
 
 def _drop_missing_extra_state(module, incompatible_keys) -> None:
@@ -148,10 +155,6 @@ class DotProductAttention(TransformerEngineBaseModule):
             raise not_provided(f"{owner}(softmax_type={softmax_type!r}): softmax with an offset")
         self._check_format(qkv_format)
         k, v = (kv_channels, kv_channels) if isinstance(kv_channels, int) else kv_channels
-        if k != v:
-            raise not_provided(
-                f"{owner}(kv_channels=({k}, {v})): key and value heads of different sizes"
-            )
         groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         if num_attention_heads % groups:
             raise MegatronCoreError(
@@ -162,7 +165,7 @@ class DotProductAttention(TransformerEngineBaseModule):
         check_window(owner, window_size)
         self.qkv_format, self.window_size = qkv_format, window_size
         self.num_attention_heads, self.num_gqa_groups = num_attention_heads, groups
-        self.hidden_size_per_attention_head_k = self.hidden_size_per_attention_head_v = k
+        self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = k, v
         self.attention_dropout = float(attention_dropout)
         self.attention_type, self.layer_number = attention_type, layer_number or 1
         self.softmax_scale = 1.0 / math.sqrt(k) if softmax_scale is None else softmax_scale
@@ -177,12 +180,6 @@ class DotProductAttention(TransformerEngineBaseModule):
 
     @staticmethod
     def _check_format(qkv_format: str) -> None:
-        if qkv_format == "thd":
-            raise not_provided(
-                "DotProductAttention(qkv_format='thd'): packed variable-length sequences "
-                "(packed_seq_params)",
-                "Pad the sequences (sbhd) instead",
-            )
         if qkv_format not in _FORMATS:
             raise MegatronCoreError(
                 f"DotProductAttention: qkv_format ({qkv_format!r}) not in {_FORMATS}"
@@ -231,20 +228,26 @@ class DotProductAttention(TransformerEngineBaseModule):
         """Attention of ``query_layer`` over ``key_layer`` / ``value_layer``.
 
         Args:
-            query_layer: [sq, b, h, d] (sbhd) or [b, sq, h, d] (bshd), this rank's heads.
-            key_layer, value_layer: [sk, b, h_kv, d] or [b, sk, h_kv, d].
-            attention_mask: as ``attn_mask_type`` asks (NOTE rule 2).
+            query_layer: [sq, b, h, d] (sbhd), [b, sq, h, d] (bshd) or [t, h, d] (thd: packed
+                sequences, NOTE rule 5), this rank's heads.
+            key_layer, value_layer: [sk, b, h_kv, d], [b, sk, h_kv, d] or [t_kv, h_kv, d]; the
+                value's head size may differ from the key's.
+            attention_mask: as ``attn_mask_type`` asks (NOTE rule 2; not used with thd).
             qkv_format, attn_mask_type, window_size: override the constructor's.
-            cu_seqlens_q, cu_seqlens_kv: sequence lengths for padding masks without a mask.
+            cu_seqlens_q, cu_seqlens_kv: cumulative sequence lengths: thd's sequences, or the
+                lengths for padding masks without a mask.
+            cu_seqlens_q_padded, cu_seqlens_kv_padded: thd's sequence starts (padding between
+                sequences).
             checkpoint_core_attention: recompute the attention in backward.
-            max_seqlen_*, cu_seqlens_*_padded, fast_zero_fill, pad_between_seqs, num_splits:
-                accepted (no effect on this path).
+            max_seqlen_*, fast_zero_fill, pad_between_seqs, num_splits: accepted (no effect on
+                this path).
             core_attention_bias_type, core_attention_bias, alibi_slopes: refused unless at their
                 defaults.
             inference_params, fp8_output: refused unless at their defaults.
 
         Returns:
-            [sq, b, h * d] (sbhd) or [b, sq, h * d] (bshd).
+            [sq, b, h * d_v] (sbhd), [b, sq, h * d_v] (bshd) or [t, h * d_v] (thd); with
+            ``return_max_logit`` also max_logit [h] (NOTE rule 6).
         """
         fmt = qkv_format or self.qkv_format
         self._check_format(fmt)
@@ -263,29 +266,47 @@ class DotProductAttention(TransformerEngineBaseModule):
             "a feature the attention core does not have",
         )
         q, k, v = query_layer, key_layer, value_layer
-        if fmt == "bshd":
-            q, k, v = (x.transpose(0, 1) for x in (q, k, v))
         mask_type = normalize_mask_type(
             "DotProductAttention", attn_mask_type or self.attn_mask_type
         )
         window = self.window_size if window_size is None else window_size
         cp = self.cp_group is not None and self.cp_group.size() > 1
-        causal, mask = attention_mask_for(
-            mask_type, attention_mask, q.shape[0], k.shape[0], q.shape[1], window,
-            cu_seqlens_q, cu_seqlens_kv, q.device, cp,
-        )  # fmt: skip
         if self.return_max_logit and cp:
             raise not_provided(
                 "DotProductAttention(return_max_logit=True) with context parallelism"
             )
-        if checkpoint_core_attention:
-            out = tp_checkpoint(self._attend, False, q, k, v, mask, causal, cp)
-        else:
-            out = self._attend(q, k, v, mask, causal, cp)
+
+        def attend(q, k, v, mask, causal):
+            if checkpoint_core_attention:
+                return tp_checkpoint(self._attend, False, q, k, v, mask, causal, cp)
+            return self._attend(q, k, v, mask, causal, cp)
+
+        def logits(q, k, mask, causal):
+            return max_logit(q, k, mask, causal, self.softmax_scale)
+
+        if fmt == "thd":
+            if cp:
+                raise not_provided(
+                    "DotProductAttention: packed sequences (thd) with context parallelism"
+                )
+            out, best = attend_packed(
+                attend, q, k, v, mask_type, window, cu_seqlens_q, cu_seqlens_kv,
+                cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                logits if self.return_max_logit else None,
+            )  # fmt: skip
+            out = out.reshape(out.shape[0], -1)
+            return (out, best) if self.return_max_logit else out
+        if fmt == "bshd":
+            q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+        causal, mask = attention_mask_for(
+            mask_type, attention_mask, q.shape[0], k.shape[0], q.shape[1], window,
+            cu_seqlens_q, cu_seqlens_kv, q.device, cp,
+        )  # fmt: skip
+        out = attend(q, k, v, mask, causal)
         out = out.reshape(out.shape[0], out.shape[1], -1)
         out = out.transpose(0, 1) if fmt == "bshd" else out
         if self.return_max_logit:
-            return out, max_logit(q, k, mask, causal, self.softmax_scale)
+            return out, logits(q, k, mask, causal)
         return out
 
     def _attend(self, q, k, v, mask, causal: bool, cp: bool) -> torch.Tensor:
@@ -297,9 +318,16 @@ class DotProductAttention(TransformerEngineBaseModule):
         options = dict(
             causal=causal, attention_mask=mask, softmax_scale=self.softmax_scale, dropout_p=dropout
         )
+        d_k, d_v = k.shape[-1], v.shape[-1]
+        if d_k < d_v:  # NOTE rule 5: zero channels change no score
+            q, k = (F.pad(x, (0, d_v - d_k)) for x in (q, k))
+        elif d_v < d_k:
+            v = F.pad(v, (0, d_k - d_v))
         with fork if fork is not None else contextlib.nullcontext():
             if cp:
-                return context_parallel_attention(
+                out = context_parallel_attention(
                     q, k, v, cp_group=self.cp_group, cp_comm_type=self.cp_comm_type, **options
                 )
-            return dot_product_attention(q, k, v, where="DotProductAttention", **options)
+            else:
+                out = dot_product_attention(q, k, v, where="DotProductAttention", **options)
+        return out[..., :d_v] if d_v < d_k else out
