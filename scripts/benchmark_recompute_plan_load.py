@@ -100,8 +100,7 @@ def main() -> None:
             try:
                 for _ in range(args.runs):
                     planned = _child(args.model, f"plan:{budget}")
-                    key = json.dumps(planned["fields"] if args.model == "megatron"
-                                     else planned["choices"])  # fmt: skip
+                    key = json.dumps(planned["choices"])
                     seen.setdefault(key, planned)
                     counts[(key, loaded)] += 1
             finally:
@@ -116,7 +115,8 @@ def main() -> None:
               "wall ms / step |")  # fmt: skip
         print("|---|---|---|---|---|---|---|")
         for key, (cpu, wall) in zip(keys, times):
-            print(f"| {key} | {counts[(key, False)]} | {counts[(key, True)]} | "
+            shown = seen[key]["fields"] if args.model == "megatron" else key
+            print(f"| {shown} | {counts[(key, False)]} | {counts[(key, True)]} | "
                   f"{seen[key]['predicted'] / 2**20:.1f} | {cpu:.1f} | {cpu / fastest:.3f} | "
                   f"{wall:.1f} |", flush=True)  # fmt: skip
 

@@ -128,10 +128,12 @@ def timed_choice(plan, chunks, forwards, repeats: int):
     chosen = min(close, key=lambda n: (flops[n], n != fastest, least[n]))
     choices, peak, overhead = candidates[chosen]
     timed = {f"{name}_ms": least[name] for name in names}
-    # the megatron setting reported: the chosen plan where it is one, else the fastest-timed
+    # the megatron setting reported: the chosen plan where it is one (under any name), else
+    # the fastest-timed one
     ms = {name: least[distinct[tuple(candidates[name][0])]] for name in megatron_dicts}
-    if chosen in megatron_dicts:
-        megatron = megatron_dicts[chosen]
+    same = [name for name in megatron_dicts if list(candidates[name][0]) == list(choices)]
+    if same:
+        megatron = megatron_dicts[same[0]]
     elif ms:
         megatron = megatron_dicts[min(ms, key=ms.__getitem__)]
     return dataclasses.replace(

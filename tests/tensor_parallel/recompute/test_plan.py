@@ -454,6 +454,40 @@ def test_the_contest_keeps_the_fastest_or_the_least_flops_where_rounds_cannot_te
     assert "timed per microbatch" in str(decided)
 
 
+def test_the_megatron_setting_reported_is_the_plan_chosen(monkeypatch):
+    # megatron-core's model takes one setting: where the FLOP share keeps the plan (core
+    # attention on every layer) over a rival 0.5% faster (full recompute), the megatron-core
+    # fields reported are the plan's, not the fastest-timed rival's
+    from megatron_core.tensor_parallel.recompute import plan_contest
+    from megatron_core.tensor_parallel.recompute.plan import RecomputePlan
+    from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
+
+    options = {
+        "none": OptionMeasure(10, 1, 1, 0, 0.0, flop_ms=0.0),
+        "selective:core_attn": OptionMeasure(5, 1, 1, 0, 2.0, flop_ms=1.0),
+        "full": OptionMeasure(1, 1, 1, 0, 3.0, flop_ms=3.0),
+    }
+    stage = StageMeasure(2, 0, 0, 0, 0, 0, 10.0, options)
+    selective, full = ["selective:core_attn"] * 2, ["full"] * 2
+    mine = {"fields": {"recompute_modules": ["core_attn"]}, "choices": selective,
+            "predicted_peak": 9, "overhead_ms": 4.0}  # fmt: skip
+    rival = {"source": "megatron", "fields": {"recompute_granularity": "full"},
+             "choices": full, "predicted_peak": 7, "overhead_ms": 6.0}  # fmt: skip
+    plan = RecomputePlan(selective, 100, False, 9, 4.0, 10.0, mine, stage, rivals=[rival])
+    rounds = {tuple(selective): iter([100.0] * 10), tuple(full): iter([99.5] * 10)}
+    monkeypatch.setattr(plan_contest, "time_step", lambda m, c, f, r: next(rounds[tuple(c)]))
+
+    class Block(torch.nn.Module):
+        probe = None
+
+        def set_layer_recompute(self, choices):
+            pass
+
+    decided = plan_contest.timed_choice(plan, [torch.nn.Sequential(Block())], [None], 3)
+    assert decided.choices == selective and decided.chosen_by == "flops", decided.timed
+    assert decided.megatron["fields"] == {"recompute_modules": ["core_attn"]}
+
+
 def _near_the_budget(tp, share):
     from megatron_core.tensor_parallel.recompute.plan import _timed_choice, choose_plan
     from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
