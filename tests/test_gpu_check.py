@@ -27,37 +27,26 @@ def test_dry_run_finds_every_step_and_refuses_an_unknown_one():
     assert bad.returncode == 2 and "unknown step 'nosuchstep'" in bad.stderr
 
 
-def _benchmark_on_cpu():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import benchmark_mlp_cuda
+def _script_main_on_cpu(name: str, argv: list[str]) -> int:
+    """``scripts/<name>.py``'s ``main(argv)`` on this rank (its exit status)."""
+    import importlib
 
-    argv = ["--device", "cpu", "--hidden", "16", "--tokens", "8", "--iters", "1", "--gemm", "8"]
-    return benchmark_mlp_cuda.main(argv)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    return importlib.import_module(name).main(argv)
 
 
 def test_mlp_benchmark_verifies_its_modes_on_cpu():
-    assert run_distributed(_benchmark_on_cpu, 1, timeout=120) == [0]
-
-
-def _planner_check_on_cpu():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import check_recompute_plan_cuda
-
-    argv = ["--device", "cpu", "--layers", "3", "--hidden", "32", "--seq", "64", "--batch", "2"]
-    return check_recompute_plan_cuda.main(argv)
+    argv = ["--device", "cpu", "--hidden", "16", "--tokens", "8", "--iters", "1", "--gemm", "8"]
+    assert run_distributed(_script_main_on_cpu, 1, "benchmark_mlp_cuda", argv, timeout=120) == [0]
 
 
 def test_planner_check_runs_and_passes_on_cpu():
-    assert run_distributed(_planner_check_on_cpu, 1, timeout=300) == [0]
-
-
-def _attention_check_on_cpu():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import check_attention_cuda
-
-    argv = ["--device", "cpu", "--seq", "32", "--hidden", "64", "--layers", "1", "--iters", "1"]
-    return check_attention_cuda.main(argv)
+    argv = ["--device", "cpu", "--layers", "3", "--hidden", "32", "--seq", "64", "--batch", "2"]
+    name = "check_recompute_plan_cuda"
+    assert run_distributed(_script_main_on_cpu, 1, name, argv, timeout=300) == [0]
 
 
 def test_attention_check_runs_and_passes_on_cpu():
-    assert run_distributed(_attention_check_on_cpu, 1, timeout=300) == [0]
+    argv = ["--device", "cpu", "--seq", "32", "--hidden", "64", "--layers", "1", "--iters", "1"]
+    name = "check_attention_cuda"
+    assert run_distributed(_script_main_on_cpu, 1, name, argv, timeout=300) == [0]
