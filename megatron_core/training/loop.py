@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import math
 import os
 import random
@@ -335,6 +336,26 @@ def _describe(args, corpus: ByteCorpus, config: TransformerConfig, num_parameter
     )
 
 
+class _ProgressNotes(logging.Handler):
+    """The package's attention log lines (a kernel fallback, NOTE [ Fused attention ], rule 2)
+    as "note:" lines of the main job's output, rank 0 only, instead of stderr."""
+
+    def __init__(self, progress: Progress):
+        super().__init__(logging.INFO)
+        self.progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.progress.print(f"note: {record.getMessage()}")
+
+
+def _notes_to(progress: Progress) -> None:
+    attention_log = logging.getLogger("megatron_core.attention")
+    for handler in [h for h in attention_log.handlers if isinstance(h, _ProgressNotes)]:
+        attention_log.removeHandler(handler)  # an earlier run in this process
+    attention_log.addHandler(_ProgressNotes(progress))
+    attention_log.propagate = False
+
+
 def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
     random.seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
@@ -354,6 +375,7 @@ def _run(args, config: TransformerConfig, corpus: ByteCorpus) -> TrainingResult:
         dist.get_world_size(),
     )
     progress.print(_describe(args, corpus, config, num_parameters))
+    _notes_to(progress)
     for line in resume_lines:
         progress.print(line)
     losses, end, plan = {}, start, None
