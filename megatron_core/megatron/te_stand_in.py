@@ -75,7 +75,7 @@ def _is_stand_in(module) -> bool:
 def importable(spec) -> bool:
     """Whether ``spec`` is a module that imports as a Transformer Engine: a regular module or
     package, not a namespace package (a directory named ``transformer_engine`` without
-    ``__init__.py`` on ``sys.path``, such as this repository's ``tests/transformer_engine``)."""
+    ``__init__.py`` on ``sys.path``, such as a folder of tests named so on pytest's path)."""
     return spec is not None and spec.origin not in (None, "namespace")
 
 

@@ -48,6 +48,16 @@ def test_install_after_megatron_was_imported_is_refused(monkeypatch):
     assert not switch.is_installed()
 
 
+def test_no_folder_of_tests_is_importable_as_an_optional_dependency():
+    # pytest puts tests/ on sys.path (rootdir import mode, no __init__.py): a folder named like a
+    # module megatron-core imports when present becomes a namespace package of that name, and
+    # megatron-core imported in the test process then reads it as installed (no __version__, no
+    # package metadata).
+    tests = os.path.join(os.path.dirname(__file__), "..")
+    optional = {"transformer_engine", "apex", "flash_attn", "einops", "deepspeed", "nvidia"}
+    assert optional.isdisjoint(os.listdir(tests))
+
+
 def test_served_table_is_megatron_names_onto_this_package():
     for name, target in switch.SERVED.items():
         assert name.startswith("megatron.core.") and target.startswith("megatron_core.")

@@ -549,7 +549,7 @@ def test_audit_inside_a_fork_is_refused_naming_the_stream():
 def test_have_te_is_megatron_cores_module_name(tmp_path, monkeypatch):
     # megatron-core 0.19's unit tests import HAVE_TE from tensor_parallel.random; it answers at
     # each read whether a regular transformer_engine module is importable (a namespace package of
-    # that name, such as tests/transformer_engine on pytest's path, is not one).
+    # that name, such as a folder of tests named so on pytest's path, is not one).
     for name in [n for n in sys.modules if n.split(".")[0] == "transformer_engine"]:
         monkeypatch.delitem(sys.modules, name)  # one imported by an earlier test
     (tmp_path / "namespace" / "transformer_engine").mkdir(parents=True)
