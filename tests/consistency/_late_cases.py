@@ -1,5 +1,5 @@
 """Disagreements between the ranks of a TP group, run after three marked iterations (helper of
-test_after_the_window.py and scripts/census_disagreement.py).
+test_after_the_window.py and scripts/check_disagreement_after_window.py).
 
 Each case is one way users make the ranks disagree -- shapes, dtypes, keys, vocabulary ranges,
 sequence splits, recompute inputs -- written for an initialized parallel_state with world size
