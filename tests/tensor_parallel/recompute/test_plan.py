@@ -488,6 +488,29 @@ def test_the_megatron_setting_reported_is_the_plan_chosen(monkeypatch):
     assert decided.megatron["fields"] == {"recompute_modules": ["core_attn"]}
 
 
+@pytest.mark.parametrize("full_flop_ms, rival", [(1.5, ["full", "none"]), (2.5, None)])
+def test_the_megatron_setting_that_recomputes_least_is_a_rival_whatever_its_timed_cost(
+    full_flop_ms, rival
+):
+    # NOTE [ Recompute planner ], rule 4: the time model (measured beside other work) rates full
+    # recompute of one layer at 30 ms, far above 1.5x core attention's 4 ms; where it recomputes
+    # a smaller FLOP share than core attention on both layers it is timed in the contest anyway
+    from megatron_core.tensor_parallel.recompute import plan_contest
+    from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
+
+    options = {
+        "none": OptionMeasure(10, 1, 1, 0, 0.0, flop_ms=0.0),
+        "selective:core_attn": OptionMeasure(5, 1, 1, 0, 2.0, flop_ms=1.0),
+        "full": OptionMeasure(1, 1, 1, 0, 30.0, flop_ms=full_flop_ms),
+    }
+    stage = StageMeasure(2, 0, 0, 0, 0, 0, 1.0, options)
+    selective = ["selective:core_attn"] * 2  # predicted 11; full on the first layer 12
+    best = {"fields": {"recompute_modules": ["core_attn"]}, "choices": selective,
+            "predicted_peak": 11, "overhead_ms": 4.0}  # fmt: skip
+    found = plan_contest.rivals(stage, 12, 0, True, selective, best)
+    assert [r["choices"] for r in found] == ([rival] if rival else [])
+
+
 def _near_the_budget(tp, share):
     from megatron_core.tensor_parallel.recompute.plan import _timed_choice, choose_plan
     from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
