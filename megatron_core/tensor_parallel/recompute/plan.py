@@ -101,29 +101,28 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    counts and option sets here). Rule 3's other microbatches and gradients grow with the
    final K: a state is dropped when even its kept-so-far breaks the limit with them (the
    final K is at least that), and each finished plan is checked against its exact prediction.
-   No plan fits: the error names the smallest budget that fits (a bisection over the budget)
-   and what that plan recomputes. Last, the plans that fit and could be the fastest are timed
-   side by side (plan_contest.py): the search's plan, the fastest megatron-core setting that
-   fits (rule 6), its rivals (``RecomputePlan.rivals``: the megatron-core settings predicted
-   within 1.5x of its overhead plus twice the noise, at most two, the one that recomputes the
-   least FLOP share, which a time model measured beside other work can rate far too high, and
-   the search's plan under the FLOP-share costs alone) and the near-budget edges below. Where they differ, each runs
-   at least 5 rounds of one step, round-robin in a rotated order (the slowest rank's times),
-   those within 15% of the fastest by its least round run as many rounds again, and the
-   fastest by its least round of all is the plan (``RecomputePlan.timed``); where others are
-   within 1% of it, the one with the least FLOP share of recompute among them, so that a
-   difference the rounds cannot see is decided by what does not move
-   (``RecomputePlan.chosen_by``). The time model is a sum of per-layer costs from uniform
-   probes, and a mixed plan's step can cost more than that sum (on a CPU one layer's
-   core-attention recompute among layers that keep theirs cost 2-4x its uniform share), so
-   the plan is never clearly slower than megatron-core's best that fits as measured there.
-   Near the budget, rule 5's 2% margin can shut out a faster plan that does fit (megatron-
-   core's "none" at a budget just above its peak): the search and the megatron settings are
-   weighed again without the margin, each such plan predicted faster than its guarded
-   counterpart (``RecomputePlan.edges``) runs one microbatch's step, and it joins the timed
-   candidates where its prediction, plus what that measured step exceeded its one-microbatch
-   prediction by, plus the rest of the headroom fits (``plan_search.fits_when_measured``):
-   the measurement of the plan itself stands in for the margin.
+   No plan fits: the error names the smallest budget that fits (a bisection over the budget) and
+   what that plan recomputes. Last, the plans that fit and could be the fastest are timed side by
+   side (plan_contest.py): the search's plan, the fastest megatron-core setting that fits (rule 6),
+   its rivals (``RecomputePlan.rivals``: the megatron-core settings predicted within 1.5x of its
+   overhead plus twice the noise, at most two, the one that recomputes the least FLOP share, which a
+   time model measured beside other work can rate far too high, and the search's plan under the
+   FLOP-share costs alone) and the near-budget edges below. Where they differ, each runs at least 5
+   rounds of one step, round-robin in a rotated order (the slowest rank's times), those within 15%
+   of the fastest by its least round run as many rounds again, and the fastest by its least round of
+   all is the plan (``RecomputePlan.timed``); where others are within 1% of it, the one with the
+   least FLOP share of recompute among them, so that a difference the rounds cannot see is decided
+   by what does not move (``RecomputePlan.chosen_by``). The time model is a sum of per-layer costs
+   from uniform probes, and a mixed plan's step can cost more than that sum (on a CPU one layer's
+   core-attention recompute among layers that keep theirs cost 2-4x its uniform share), so the plan
+   is never clearly slower than megatron-core's best that fits as measured there. Near the budget,
+   rule 5's 2% margin can shut out a faster plan that does fit (megatron- core's "none" at a budget
+   just above its peak): the search and the megatron settings are weighed again without the margin,
+   each such plan predicted faster than its guarded counterpart (``RecomputePlan.edges``) runs one
+   microbatch's step, and it joins the timed candidates where its prediction, plus what that
+   measured step exceeded its one-microbatch prediction by, plus the rest of the headroom fits
+   (``plan_search.fits_when_measured``): the measurement of the plan itself stands in for the
+   margin.
 5. Agreement. Ranks probe their own step; each rank's predicted peak with each option on every
    layer is compared (all_reduce MIN and MAX over the default group) and must agree within 25%
    (one layout, one shape per rank; ranks differ a little legitimately, more so in a small
