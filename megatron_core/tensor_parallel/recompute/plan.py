@@ -110,15 +110,20 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    FLOP-share costs alone) and the near-budget edges below. Where they differ, each runs at least 5
    rounds of one step, round-robin in a rotated order (the slowest rank's times), those within 15%
    of the fastest by its least round run as many rounds again, and the fastest by its least round of
-   all is the plan (``RecomputePlan.timed``); where others are within 1% of it, the one with the
-   least FLOP share of recompute among them, so that a difference the rounds cannot see is decided
-   by what does not move (``RecomputePlan.chosen_by``). The time model is a sum of per-layer costs
-   from uniform probes, and a mixed plan's step can cost more than that sum (on a CPU one layer's
-   core-attention recompute among layers that keep theirs cost 2-4x its uniform share), so the plan
-   is never clearly slower than megatron-core's best that fits as measured there. Near the budget,
-   rule 5's 2% margin can shut out a faster plan that does fit (megatron- core's "none" at a budget
-   just above its peak): the search and the megatron settings are weighed again without the margin,
-   each such plan predicted faster than its guarded counterpart (``RecomputePlan.edges``) runs one
+   all is the plan (``RecomputePlan.timed``), unless it recomputes all that another candidate does
+   and more (full where the other keeps a layer, or more modules of it): its work cannot be less, so
+   it is kept only where it was more than 15% faster, and otherwise the fastest of the rest is the
+   plan (on 2 shared cores a step of megatron-core's GPTModel with full recompute of 3 layers read
+   4-9% faster than with 2 in the contest's rounds of 2 of 8 quiet processes, and 6% slower side by
+   side); where others are within 1% of it, the one with the least FLOP share of recompute among
+   them, so that a difference the rounds cannot see is decided by what does not move
+   (``RecomputePlan.chosen_by``). The time model is a sum of per-layer costs from uniform probes,
+   and a mixed plan's step can cost more than that sum (on a CPU one layer's core-attention
+   recompute among layers that keep theirs cost 2-4x its uniform share), so the plan is never
+   clearly slower than megatron-core's best that fits as measured there. Near the budget, rule 5's
+   2% margin can shut out a faster plan that does fit (megatron-core's "none" at a budget just above
+   its peak): the search and the megatron settings are weighed again without the margin, each such
+   plan predicted faster than its guarded counterpart (``RecomputePlan.edges``) runs one
    microbatch's step, and it joins the timed candidates where its prediction, plus what that
    measured step exceeded its one-microbatch prediction by, plus the rest of the headroom fits
    (``plan_search.fits_when_measured``): the measurement of the plan itself stands in for the
@@ -282,8 +287,10 @@ class RecomputePlan:
             megatron-core settings close to the best one, the FLOP-share search's plan), each
             a dict like an edge's; they join the timed candidates.
         chosen_by: "model" (the time model alone: nothing else to time), "time" (the fastest
-            timed candidate, by its least round) or "flops" (of the timed candidates the rounds
-            could not tell apart from the fastest, the least FLOP share of recompute).
+            timed candidate, by its least round), "less recompute" (the fastest recomputes
+            all a candidate does and more, and was not 15% faster than it: that one) or
+            "flops" (of the timed candidates the rounds could not tell apart from the fastest,
+            the least FLOP share of recompute).
         edges: the per-layer plan and the megatron setting that are predicted faster but fit
             only without the 2% margin (rule 4), each a dict with ``source`` ("plan" or
             "megatron"), ``choices``, ``predicted_peak``, ``overhead_ms`` (and ``fields``);
@@ -368,7 +375,9 @@ class RecomputePlan:
             said = ", ".join(f"{self._timed_name(k)} {v:.2f} ms" for k, v in self.timed.items())
             how = {"time": "the fastest is the plan", "flops": "the rounds could not tell the "
                    "fastest from the others within 1%: the least FLOP share of recompute among "
-                   "them is the plan"}[self.chosen_by]  # fmt: skip
+                   "them is the plan", "less recompute": "the fastest recomputes all of a plan "
+                   "timed within 15% of it and more: that plan is the plan"}  # fmt: skip
+            how = how[self.chosen_by]
             lines.append(f"  timed per microbatch, the least of its rounds: {said} ({how})")
         if self.megatron is None:
             lines.append("  megatron-core TransformerConfig: no single setting fits")

@@ -26,7 +26,14 @@ from megatron_core.tensor_parallel.recompute.plan_search import (
     with_flop_costs,
 )
 
-__all__ = ["rivals", "timed_choice", "CONTEST_ROUNDS", "CLEAR_SHARE", "RECHECK_SHARE"]
+__all__ = [
+    "rivals",
+    "timed_choice",
+    "recomputes_all_of",
+    "CONTEST_ROUNDS",
+    "CLEAR_SHARE",
+    "RECHECK_SHARE",
+]
 
 CONTEST_ROUNDS = 5  # rounds of the timed candidates (at least; more where ``repeats`` asks)
 CLEAR_SHARE = 0.01  # a candidate whose least round is this much above the fastest's is slower
@@ -137,10 +144,19 @@ def timed_choice(plan, chunks, forwards, repeats: int):
     if len(close) > 1:  # compare again: the close ones, as many rounds more
         again = _least(chunks, forwards, [candidates[n][0] for n in close], count)
         least.update({n: min(least[n], ms) for n, ms in zip(close, again)})
-    close = _close(least, CLEAR_SHARE)
+    # a plan that recomputes all another does and more cannot be faster by its work: it is
+    # kept only where its least round beats the other's by more than RECHECK_SHARE
+    kept = {
+        name: ms for name, ms in least.items()
+        if not any(recomputes_all_of(candidates[name][0], candidates[other][0])
+                   and ms * (1 + RECHECK_SHARE) > least[other] for other in least)
+    }  # fmt: skip
     fastest = min(least, key=least.__getitem__)
+    best = min(kept, key=kept.__getitem__)
+    close = _close(kept, CLEAR_SHARE)
     flops = {n: flop_overhead(plan.stage, candidates[n][0]) for n in close}
-    chosen = min(close, key=lambda n: (flops[n], n != fastest, least[n]))
+    chosen = min(close, key=lambda n: (flops[n], n != best, least[n]))
+    by = "flops" if chosen != best else "time" if best == fastest else "less recompute"
     choices, peak, overhead = candidates[chosen]
     timed = {f"{name}_ms": least[name] for name in names}
     # the megatron setting reported: the chosen plan where it is one (under any name), else
@@ -153,8 +169,37 @@ def timed_choice(plan, chunks, forwards, repeats: int):
         megatron = megatron_dicts[min(ms, key=ms.__getitem__)]
     return dataclasses.replace(
         plan, choices=list(choices), predicted_peak=peak, overhead_ms=overhead, timed=timed,
-        edges=edges, megatron=megatron, chosen_by="time" if chosen == fastest else "flops",
+        edges=edges, megatron=megatron, chosen_by=by,
     )  # fmt: skip
+
+
+def _recompute_set(choice: str) -> frozenset | None:
+    """What one layer's option recomputes: the modules of a selective option, none for
+    ``"none"``; None for the full options (the whole layer)."""
+    if choice == "none":
+        return frozenset()
+    if choice.startswith("selective:"):
+        return frozenset(choice.split(":", 1)[1].split("+"))
+    return None
+
+
+def recomputes_all_of(plan: list[str], other: list[str]) -> bool:
+    """Whether ``plan`` recomputes, layer by layer, everything ``other`` does (and so does at
+    least its work): the same option, or ``other``'s is none, or a selective option whose
+    modules ``plan``'s selective option includes, or ``plan``'s is full (``"full_distributed"``
+    includes ``"full"``)."""
+    if len(plan) != len(other) or list(plan) == list(other):
+        return False
+    for mine, theirs in zip(plan, other):
+        if mine == theirs or theirs == "none":
+            continue
+        kept, seen = _recompute_set(mine), _recompute_set(theirs)
+        if kept is None:  # a full option
+            if seen is None and not (mine == "full_distributed" and theirs == "full"):
+                return False
+        elif seen is None or not seen <= kept:
+            return False
+    return True
 
 
 def _close(least: dict[str, float], share: float) -> list[str]:

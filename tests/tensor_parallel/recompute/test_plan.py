@@ -421,9 +421,10 @@ def test_the_faster_of_the_searched_and_megatron_plans_is_kept(slow):
 def test_the_contest_keeps_the_fastest_or_the_least_flops_where_rounds_cannot_tell(
     monkeypatch, selective_rounds, chosen, by
 ):
-    # NOTE [ Recompute planner ], rule 4: full recompute on both layers takes 100 ms in every
-    # round; the FLOP-share rival (core attention only: less FLOP share) the given times, the
-    # same again where it is compared again. A candidate's time is its least round (a shared
+    # NOTE [ Recompute planner ], rule 4: full recompute of the first layer takes 100 ms in
+    # every round; the FLOP-share rival (core attention of both layers: less FLOP share, and
+    # neither recomputes all the other does) the given times, the same again where it is
+    # compared again. A candidate's time is its least round (a shared
     # machine only adds work); one within 1% of the fastest after a second set of rounds
     # leaves the choice to the FLOP share.
     from megatron_core.tensor_parallel.recompute import plan_contest
@@ -438,8 +439,8 @@ def test_the_contest_keeps_the_fastest_or_the_least_flops_where_rounds_cannot_te
     stage = StageMeasure(2, 0, 0, 0, 0, 0, 10.0, options)
     selective = ["selective:core_attn"] * 2
     rival = {"source": "flops", "choices": selective, "predicted_peak": 7, "overhead_ms": 4.0}
-    plan = RecomputePlan(["full"] * 2, 100, False, 5, 6.0, 10.0, None, stage, rivals=[rival])
-    rounds = {("full", "full"): iter([100.0] * 10), tuple(selective): iter(selective_rounds * 2)}
+    plan = RecomputePlan(["full", "none"], 100, False, 5, 3.0, 10.0, None, stage, rivals=[rival])
+    rounds = {("full", "none"): iter([100.0] * 10), tuple(selective): iter(selective_rounds * 2)}
     monkeypatch.setattr(plan_contest, "time_step", lambda m, c, f, r: next(rounds[tuple(c)]))
 
     class Block(torch.nn.Module):
@@ -449,15 +450,65 @@ def test_the_contest_keeps_the_fastest_or_the_least_flops_where_rounds_cannot_te
             pass
 
     decided = plan_contest.timed_choice(plan, [torch.nn.Sequential(Block())], [None], 3)
-    assert decided.choices == [chosen] * 2 and decided.chosen_by == by, decided.timed
+    expected = ["full", "none"] if chosen == "full" else [chosen] * 2
+    assert decided.choices == expected and decided.chosen_by == by, decided.timed
     assert decided.timed == {"plan_ms": 100.0, "flops_0_ms": min(selective_rounds)}
     assert "timed per microbatch" in str(decided)
 
 
+@pytest.mark.parametrize("more_ms, chosen, by", [(95.0, 1, "less recompute"), (80.0, 2, "time")])
+def test_a_plan_that_recomputes_more_is_kept_only_where_clearly_faster(
+    monkeypatch, more_ms, chosen, by
+):
+    # NOTE [ Recompute planner ], rule 4: full recompute of both layers does all that of the
+    # first layer alone does and more; timed 5% faster it is noise (the other is the plan),
+    # 20% faster it is kept
+    from megatron_core.tensor_parallel.recompute import plan_contest
+    from megatron_core.tensor_parallel.recompute.plan import RecomputePlan
+    from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
+
+    options = {
+        "none": OptionMeasure(10, 1, 1, 0, 0.0, flop_ms=0.0),
+        "full": OptionMeasure(1, 1, 1, 0, 3.0, flop_ms=3.0),
+    }
+    stage = StageMeasure(2, 0, 0, 0, 0, 0, 10.0, options)
+    one, both = ["full", "none"], ["full", "full"]
+    rival = {"source": "megatron", "fields": {"recompute_num_layers": 2}, "choices": both,
+             "predicted_peak": 3, "overhead_ms": 6.0}  # fmt: skip
+    plan = RecomputePlan(one, 100, False, 12, 3.0, 10.0, None, stage, rivals=[rival])
+    rounds = {tuple(one): iter([100.0] * 10), tuple(both): iter([more_ms] * 10)}
+    monkeypatch.setattr(plan_contest, "time_step", lambda m, c, f, r: next(rounds[tuple(c)]))
+
+    class Block(torch.nn.Module):
+        probe = None
+
+        def set_layer_recompute(self, choices):
+            pass
+
+    decided = plan_contest.timed_choice(plan, [torch.nn.Sequential(Block())], [None], 3)
+    assert decided.choices == [one, both][chosen - 1] and decided.chosen_by == by, decided.timed
+    said = {"less recompute": "recomputes all of a plan timed within 15%", "time": "the fastest is"}
+    assert said[by] in str(decided)
+
+
+def test_recomputes_all_of_orders_plans_by_their_recompute_layer_by_layer():
+    from megatron_core.tensor_parallel.recompute.plan_contest import recomputes_all_of
+
+    sel, more = "selective:core_attn", "selective:layernorm+core_attn"
+    assert recomputes_all_of(["full", "full"], ["full", "none"])
+    assert recomputes_all_of(["full", "none"], [sel, "none"])
+    assert recomputes_all_of([more, more], [sel, "none"])
+    assert recomputes_all_of(["full_distributed"], ["full"])
+    assert not recomputes_all_of(["full"], ["full_distributed"])
+    assert not recomputes_all_of(["full", "none"], [sel, sel])  # layer 2 recomputes less
+    assert not recomputes_all_of([sel], ["selective:core_attn+mlp"])
+    assert not recomputes_all_of(["full", "none"], ["full", "none"])  # the same plan
+
+
 def test_the_megatron_setting_reported_is_the_plan_chosen(monkeypatch):
     # megatron-core's model takes one setting: where the FLOP share keeps the plan (core
-    # attention on every layer) over a rival 0.5% faster (full recompute), the megatron-core
-    # fields reported are the plan's, not the fastest-timed rival's
+    # attention on every layer) over a rival 0.5% faster (full recompute of the first layer),
+    # the megatron-core fields reported are the plan's, not the fastest-timed rival's
     from megatron_core.tensor_parallel.recompute import plan_contest
     from megatron_core.tensor_parallel.recompute.plan import RecomputePlan
     from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
@@ -468,11 +519,11 @@ def test_the_megatron_setting_reported_is_the_plan_chosen(monkeypatch):
         "full": OptionMeasure(1, 1, 1, 0, 3.0, flop_ms=3.0),
     }
     stage = StageMeasure(2, 0, 0, 0, 0, 0, 10.0, options)
-    selective, full = ["selective:core_attn"] * 2, ["full"] * 2
+    selective, full = ["selective:core_attn"] * 2, ["full", "none"]
     mine = {"fields": {"recompute_modules": ["core_attn"]}, "choices": selective,
             "predicted_peak": 9, "overhead_ms": 4.0}  # fmt: skip
     rival = {"source": "megatron", "fields": {"recompute_granularity": "full"},
-             "choices": full, "predicted_peak": 7, "overhead_ms": 6.0}  # fmt: skip
+             "choices": full, "predicted_peak": 7, "overhead_ms": 3.0}  # fmt: skip
     plan = RecomputePlan(selective, 100, False, 9, 4.0, 10.0, mine, stage, rivals=[rival])
     rounds = {tuple(selective): iter([100.0] * 10), tuple(full): iter([99.5] * 10)}
     monkeypatch.setattr(plan_contest, "time_step", lambda m, c, f, r: next(rounds[tuple(c)]))
