@@ -47,9 +47,9 @@ def run_python(code: str, **env: str):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_readme_lists_exactly_the_answered_names():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme.split("The CPU mode answers:")[1].split("\n\n")[1]
+def test_the_guide_lists_exactly_the_answered_names():
+    guide = open(os.path.join(ROOT, "docs", "guides", "cpu-mode.md")).read()
+    section = guide.split("The CPU mode answers:")[1].split("\n\n")[1]
     listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("- `")}
     assert listed == set(cpu_mode.ANSWERED)
 
