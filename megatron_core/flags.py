@@ -4,8 +4,8 @@ Every ``MEGATRON_CORE_*`` variable the package reads goes through this module: a
 through :func:`flag`, a word from a fixed list through :func:`choice`, a number through
 :func:`number`. Unset or empty means "not set" (None); a value outside the accepted ones raises
 :class:`FlagError` naming the variable and the value, so a typo never reads as "off".
-:data:`VARIABLES` lists them all with what each does (README's "Environment variables" table is
-checked against it).
+:data:`VARIABLES` lists them all with what each does (the manual's table,
+docs/guides/environment-variables.md, is checked against it).
 """
 
 from __future__ import annotations

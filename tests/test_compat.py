@@ -14,12 +14,12 @@ test per (release, module, name):
   0.19.2 adds at that very position (0.19 code may pass it positionally).
 - 0.19.2, by keyword: the name exists, every parameter 0.19.2 has is accepted under its name
   with the same default (the position may differ where 0.19 inserted a parameter before one
-  0.16.1 has; the README's porting section lists each case).
+  0.16.1 has; docs/guides/newer-megatron-core.md lists each case).
 
 Modules outside this package's scope are left out of the manifests by the script and listed
-in ``OUT_OF_SCOPE``; single names of claimed modules in ``OUT_OF_SCOPE_NAMES`` (both in the
-README). ``python tests/test_compat.py`` prints how many names each manifest covers and what is
-missing.
+in ``OUT_OF_SCOPE``; single names of claimed modules in ``OUT_OF_SCOPE_NAMES`` (both in
+docs/guides/porting-from-megatron-core.md). ``python tests/test_compat.py`` prints how many
+names each manifest covers and what is missing.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ MANIFESTS = {
 }
 EXACT, NEWEST = "0.16.1", "0.19.2"
 
-# megatron-core modules deliberately not provided (README, "Porting from megatron-core").
+# megatron-core modules deliberately not provided (docs/guides/porting-from-megatron-core.md).
 OUT_OF_SCOPE = {
     "pipeline_parallel.fine_grained_activation_offload",
     "pipeline_parallel.combined_1f1b",
@@ -53,7 +53,7 @@ OUT_OF_SCOPE = {
     "tensor_parallel.gtp_api",
 }
 
-# Names of claimed modules deliberately not provided, with the reason (README, "Porting").
+# Names of claimed modules deliberately not provided, with the reason (the porting guide).
 OUT_OF_SCOPE_NAMES = {
     **dict.fromkeys(
         [
@@ -279,7 +279,7 @@ def test_name(version, module, name, row):
 
 @pytest.mark.parametrize("version", [EXACT, NEWEST])
 def test_out_of_scope_modules_are_the_listed_ones(version):
-    """The script leaves out exactly the modules the README lists as out of scope, and the
+    """The script leaves out exactly the modules the porting guide lists as out of scope, and the
     manifest holds nothing from them."""
     excluded = set(MANIFESTS[version]["excluded"])
     assert excluded <= OUT_OF_SCOPE

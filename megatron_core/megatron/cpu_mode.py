@@ -110,9 +110,9 @@ __all__ = [
 
 ENV = "MEGATRON_CORE_CUDA_ON_CPU"
 
-# Every CUDA name the CPU mode answers -> what it answers (README "CPU mode" lists the same names;
-# tests/megatron/test_megatron_cpu_mode.py checks that the list, the README and the replaced
-# names agree).
+# Every CUDA name the CPU mode answers -> what it answers (the manual's docs/guides/cpu-mode.md
+# lists the same names; tests/megatron/test_megatron_cpu_mode.py checks that the list, the guide
+# and the replaced names agree).
 # torch.cuda.* and torch.distributed.* names are replaced attributes (NOTE rules 5 and 6); the
 # torch.Tensor / torch.nn.Module / torch.nn.functional.dropout / torch.rand names are answered
 # through the torch-function mode (rules 2 and 5); the megatron.* names are module names the mode

@@ -22,9 +22,9 @@ Re-exported by :mod:`megatron_core.pipeline_parallel.schedules` under megatron-c
    past its send, which kept one [s, b, h] tensor through the next forward and backward). A
    held output keeps its graph alive, and with it what the graph's nodes hold after their
    backward (a checkpoint's RNG states, the received input), through later forwards: 65 KiB
-   of stage 0's 1.2 MiB peak and 32 KiB of the last stage's 1.6 MiB in BENCHMARKS.md's
-   pipeline stages of the recompute planner. The interleaved schedule's outputs leave with
-   the backward that pops them.
+   of stage 0's 1.2 MiB peak and 32 KiB of the last stage's 1.6 MiB in the recompute
+   planner's pipeline stages (docs/benchmarks/recompute-planner.md). The interleaved
+   schedule's outputs leave with the backward that pops them.
 """
 
 from __future__ import annotations

@@ -460,7 +460,10 @@ def _body_against_deepspeed() -> list[str]:
 
 @pytest.mark.skipif(
     _deepspeed_module() is None,
-    reason="deepspeed is not installed (a benchmark/test-only dependency: see BENCHMARKS.md)",
+    reason=(
+        "deepspeed is not installed (a benchmark/test-only dependency: "
+        "docs/benchmarks/deepspeed.md)"
+    ),
 )
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_bitwise_equal_to_deepspeed_itself(world_size):

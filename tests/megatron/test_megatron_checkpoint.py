@@ -14,7 +14,8 @@ if megatron_core_version() is None:
     pytest.skip("megatron-core is not installed (the [megatron] extra)", allow_module_level=True)
 
 # megatron-core's checkpoint writer needs psutil without declaring it; without it the save
-# hangs instead of failing (README, porting). The [megatron] extra installs it.
+# hangs instead of failing (docs/guides/megatron-core-on-a-laptop.md). The [megatron] extra
+# installs it.
 pytest.importorskip("psutil", reason="megatron-core's dist_checkpointing writer needs psutil")
 
 from _megatron_gpt import Run, initial_state, load_checkpoint, save_checkpoint  # noqa: E402

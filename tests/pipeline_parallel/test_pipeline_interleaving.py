@@ -328,7 +328,7 @@ def test_schedule_table_and_warmup_equal_megatron():
 
 def test_public_signatures_are_megatron_prefixes():
     # 0.16.1's parameters, in order, come first (later additions are keywords with defaults);
-    # a newer megatron-core's are all accepted by keyword (README: "Newer megatron-core").
+    # a newer megatron-core's are all accepted by keyword (docs/guides/newer-megatron-core.md).
     pytest.importorskip("megatron.core", reason="the [megatron] extra (megatron-core)")
     from megatron.core.pipeline_parallel import p2p_communication as mp2p
     from megatron.core.pipeline_parallel import schedules as mcore

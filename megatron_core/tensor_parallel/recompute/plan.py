@@ -156,7 +156,8 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    inputs instead of L but holds n layers' activations while a group recomputes, so it needs
    less memory than n = 1 only where L/2 inputs outweigh a layer's activations: beyond 34 +
    5as/h layers on one stage with megatron's per-layer count (our GPT, 8 layers, hidden 64,
-   seq 256: 20.1 MiB at n = 1, 34.1 at n = 2, +14.1 MiB each n more; BENCHMARKS.md).
+   seq 256: 20.1 MiB at n = 1, 34.1 at n = 2, +14.1 MiB each n more;
+   docs/benchmarks/recompute-planner.md).
    megatron-core's own GPTModel (built through the switch) is probed the same way: its block is
    seen through plan_megatron.MegatronCoreBlock, which sets each option in place (the config's
    full-recompute fields, read at every forward; the layers' selective flags, which its
