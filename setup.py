@@ -13,7 +13,8 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_core", "megatron_core.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.6"],  # megatron-core's own floor, no upper bound (README "Support matrix")
+    # megatron-core's own floor, no upper bound (README "Support matrix")
+    install_requires=["torch>=2.6"],
     extras_require={
         # numpy: all_gather_object; pytest-xdist: the suite runs on two workers (pyproject.toml)
         "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "numpy"],
@@ -22,8 +23,8 @@ setup(
         # make docs: the manual (docs/). Lower bounds are the oldest releases the site was built
         # with, without a warning (sphinx 8.1 is the last line on Python 3.10; 9.x is tested too).
         "docs": ["sphinx>=8.1", "myst-parser>=4", "furo>=2024.8.6"],
-        # megatron-core's own model code on this core (megatron_core.megatron, the switch): 0.16.1 and
-        # 0.19.x are tested (0.17+ needs Python 3.12; each CI lane pins its release). Its
+        # megatron-core's own model code on this core (megatron_core.megatron, the switch):
+        # 0.16.1 and 0.19.x are tested (0.17+ needs Python 3.12; each CI lane pins its release). Its
         # base needs are torch, numpy and packaging; psutil is what its dist_checkpointing save
         # needs at run time without declaring it.
         "megatron": ["megatron-core>=0.16.1,<0.20", "numpy", "packaging", "psutil"],
