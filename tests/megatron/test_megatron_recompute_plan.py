@@ -139,9 +139,9 @@ def test_megatron_gpt_plans_fit_the_budget_through_transformer_config(world, tp,
         # (NOTE [ Frees the CPU profiler records ]), and what is alive before the step (the
         # global memory buffer included) is in both
         # under by at most 5% (the side that breaks a budget); over by at most 10%: with full
-        # recompute of 2 of 2 layers at TP 1 (a 3.4 MiB step) the prediction was 6.2% over in
-        # one loaded full-suite run, cause not yet found (the plan is chosen by timings, so
-        # which row meets it depends on the load)
+        # recompute (block method, 2 layers) at TP 1 (a 3.4 MiB step) the prediction was 6.2%
+        # over in one loaded full-suite run, cause not yet found (the plan is chosen by timings,
+        # so which row meets it depends on the load)
         assert -0.05 * measured <= predicted - measured <= 0.10 * measured, (
             fields, predicted, measured,
         )  # fmt: skip
