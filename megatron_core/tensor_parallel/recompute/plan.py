@@ -285,7 +285,8 @@ class RecomputePlan:
             ``edge_megatron_ms`` for the edges that fit as measured) and the fastest became
             :attr:`choices` (rule 4); else None.
         rivals: other plans that fit and may be faster than the time model says (rule 4:
-            megatron-core settings close to the best one, the FLOP-share search's plan), each
+            megatron-core settings close to the best one and the one that recomputes the
+            least FLOP share, the FLOP-share search's plan), each
             a dict like an edge's; they join the timed candidates.
         chosen_by: "model" (the time model alone: nothing else to time), "time" (the fastest
             timed candidate, by its least round), "less recompute" (the fastest recomputes
