@@ -410,6 +410,22 @@ def test_the_faster_of_the_searched_and_megatron_plans_is_kept(slow):
     assert after is None  # the block is left with its config's recompute
 
 
+def _contest(monkeypatch, plan, rounds):
+    """plan_contest.timed_choice on ``plan`` with each candidate's rounds taken from ``rounds``
+    (choices -> an iterator of milliseconds) instead of timed steps."""
+    from megatron_core.tensor_parallel.recompute import plan_contest
+
+    monkeypatch.setattr(plan_contest, "time_step", lambda m, c, f, r: next(rounds[tuple(c)]))
+
+    class Block(torch.nn.Module):
+        probe = None
+
+        def set_layer_recompute(self, choices):
+            pass
+
+    return plan_contest.timed_choice(plan, [torch.nn.Sequential(Block())], [None], 3)
+
+
 @pytest.mark.parametrize(
     "selective_rounds, chosen, by",
     [
@@ -427,7 +443,6 @@ def test_the_contest_keeps_the_fastest_or_the_least_flops_where_rounds_cannot_te
     # compared again. A candidate's time is its least round (a shared
     # machine only adds work); one within 1% of the fastest after a second set of rounds
     # leaves the choice to the FLOP share.
-    from megatron_core.tensor_parallel.recompute import plan_contest
     from megatron_core.tensor_parallel.recompute.plan import RecomputePlan
     from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
 
@@ -441,15 +456,7 @@ def test_the_contest_keeps_the_fastest_or_the_least_flops_where_rounds_cannot_te
     rival = {"source": "flops", "choices": selective, "predicted_peak": 7, "overhead_ms": 4.0}
     plan = RecomputePlan(["full", "none"], 100, False, 5, 3.0, 10.0, None, stage, rivals=[rival])
     rounds = {("full", "none"): iter([100.0] * 10), tuple(selective): iter(selective_rounds * 2)}
-    monkeypatch.setattr(plan_contest, "time_step", lambda m, c, f, r: next(rounds[tuple(c)]))
-
-    class Block(torch.nn.Module):
-        probe = None
-
-        def set_layer_recompute(self, choices):
-            pass
-
-    decided = plan_contest.timed_choice(plan, [torch.nn.Sequential(Block())], [None], 3)
+    decided = _contest(monkeypatch, plan, rounds)
     expected = ["full", "none"] if chosen == "full" else [chosen] * 2
     assert decided.choices == expected and decided.chosen_by == by, decided.timed
     assert decided.timed == {"plan_ms": 100.0, "flops_0_ms": min(selective_rounds)}
@@ -463,7 +470,6 @@ def test_a_plan_that_recomputes_more_is_kept_only_where_clearly_faster(
     # NOTE [ Recompute planner ], rule 4: full recompute of both layers does all that of the
     # first layer alone does and more; timed 5% faster it is noise (the other is the plan),
     # 20% faster it is kept
-    from megatron_core.tensor_parallel.recompute import plan_contest
     from megatron_core.tensor_parallel.recompute.plan import RecomputePlan
     from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
 
@@ -477,15 +483,7 @@ def test_a_plan_that_recomputes_more_is_kept_only_where_clearly_faster(
              "predicted_peak": 3, "overhead_ms": 6.0}  # fmt: skip
     plan = RecomputePlan(one, 100, False, 12, 3.0, 10.0, None, stage, rivals=[rival])
     rounds = {tuple(one): iter([100.0] * 10), tuple(both): iter([more_ms] * 10)}
-    monkeypatch.setattr(plan_contest, "time_step", lambda m, c, f, r: next(rounds[tuple(c)]))
-
-    class Block(torch.nn.Module):
-        probe = None
-
-        def set_layer_recompute(self, choices):
-            pass
-
-    decided = plan_contest.timed_choice(plan, [torch.nn.Sequential(Block())], [None], 3)
+    decided = _contest(monkeypatch, plan, rounds)
     assert decided.choices == [one, both][chosen - 1] and decided.chosen_by == by, decided.timed
     said = {"less recompute": "recomputes all of a plan timed within 15%", "time": "the fastest is"}
     assert said[by] in str(decided)
@@ -509,7 +507,6 @@ def test_the_megatron_setting_reported_is_the_plan_chosen(monkeypatch):
     # megatron-core's model takes one setting: where the FLOP share keeps the plan (core
     # attention on every layer) over a rival 0.5% faster (full recompute of the first layer),
     # the megatron-core fields reported are the plan's, not the fastest-timed rival's
-    from megatron_core.tensor_parallel.recompute import plan_contest
     from megatron_core.tensor_parallel.recompute.plan import RecomputePlan
     from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
 
@@ -526,15 +523,7 @@ def test_the_megatron_setting_reported_is_the_plan_chosen(monkeypatch):
              "choices": full, "predicted_peak": 7, "overhead_ms": 3.0}  # fmt: skip
     plan = RecomputePlan(selective, 100, False, 9, 4.0, 10.0, mine, stage, rivals=[rival])
     rounds = {tuple(selective): iter([100.0] * 10), tuple(full): iter([99.5] * 10)}
-    monkeypatch.setattr(plan_contest, "time_step", lambda m, c, f, r: next(rounds[tuple(c)]))
-
-    class Block(torch.nn.Module):
-        probe = None
-
-        def set_layer_recompute(self, choices):
-            pass
-
-    decided = plan_contest.timed_choice(plan, [torch.nn.Sequential(Block())], [None], 3)
+    decided = _contest(monkeypatch, plan, rounds)
     assert decided.choices == selective and decided.chosen_by == "flops", decided.timed
     assert decided.megatron["fields"] == {"recompute_modules": ["core_attn"]}
 
