@@ -1,5 +1,6 @@
-"""Start N local gloo ranks of a benchmark script and collect rank 0's result (a helper of the
-scripts in this folder; the test suite uses megatron_core.testing instead)."""
+"""Start N local gloo ranks of a benchmark or check script and collect rank 0's result (shared by
+scripts/benchmarks and scripts/checks, imported as ``scripts._ranks`` with the repository root on
+``sys.path``; the test suite uses megatron_core.testing instead)."""
 
 from __future__ import annotations
 

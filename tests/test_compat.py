@@ -1,7 +1,8 @@
 """Drop-in compatibility with megatron-core, checked against manifests checked in as data.
 
-tests/data/megatron_core_<version>_api.json is written by scripts/make_megatron_core_manifest.py
-from megatron-core's wheel (read with ast, never imported), so this test needs no megatron-core.
+tests/data/megatron_core_<version>_api.json is written by
+scripts/tools/make_megatron_core_manifest.py from megatron-core's wheel (read with ast, never
+imported), so this test needs no megatron-core.
 Each manifest lists the public surface of every megatron-core module this package claims; one
 test per (release, module, name):
 

@@ -26,7 +26,7 @@ Cost of a check: one extra 128-byte all_gather (per rank) before the collective,
 microseconds of Python; a latency cost, independent of the tensor size. After the window a
 collective reads the switch and appends a record (about a microsecond); off, it only reads the
 switch. The measurements, against torch's DETAIL wrapper too, are in the manual's
-docs/benchmarks/consistency.md (``scripts/benchmark_consistency.py``).
+docs/benchmarks/consistency.md (``scripts/benchmarks/benchmark_consistency.py``).
 
 torch's own machinery: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps the groups created
 while it is set and compares a fingerprint (op type, shapes, dtypes) before each raw collective,

@@ -2,10 +2,10 @@
 
 Run (CPU: each TP size on that many gloo ranks; GPU: under torchrun, one rank per GPU)::
 
-    python scripts/benchmark_activation_memory.py                     # fp32, cpu, tp 1 2 4
-    python scripts/benchmark_activation_memory.py --configs 512,4,1024,16 --tp 1 2 4 8
-    torchrun --nproc_per_node=1 scripts/benchmark_activation_memory.py --device cuda --tp 1 \
-        --dtype bf16
+    python scripts/benchmarks/benchmark_activation_memory.py         # fp32, cpu, tp 1 2 4
+    python scripts/benchmarks/benchmark_activation_memory.py --configs 512,4,1024,16 --tp 1 2 4 8
+    torchrun --nproc_per_node=1 scripts/benchmarks/benchmark_activation_memory.py --device cuda \
+        --tp 1 --dtype bf16
 
 For every (s, b, h, a), TP size t, sequence parallelism on/off and recompute none / selective
 (core_attn) / the other selective modules / full / full+distributed, one forward of one

@@ -2,12 +2,12 @@
 
 Run on CPU / gloo (spawns the ranks itself):
 
-    python scripts/benchmark_check_window.py --nproc 2 --tp 2
-    python scripts/benchmark_check_window.py --nproc 4 --tp 2 --pp 2
+    python scripts/benchmarks/benchmark_check_window.py --nproc 2 --tp 2
+    python scripts/benchmarks/benchmark_check_window.py --nproc 4 --tp 2 --pp 2
 
 or under torchrun (e.g. on GPUs with NCCL, one GPU per rank):
 
-    torchrun --nproc_per_node=2 scripts/benchmark_check_window.py --tp 2 --device cuda
+    torchrun --nproc_per_node=2 scripts/benchmarks/benchmark_check_window.py --tp 2 --device cuda
 
 Each rank builds the main job (scripts/train_gpt.py's model, optimizer and ``train_step``, its
 default flags plus ``--tp`` / ``--pp`` and ``--extra``) and then:

@@ -2,9 +2,9 @@
 
 Run::
 
-    python scripts/benchmark_checkpoint.py                       # cpu, tp=2 gloo ranks
-    python scripts/benchmark_checkpoint.py --tp 1 --layers 8 --seq 512 --hidden 512
-    torchrun --nproc_per_node=1 scripts/benchmark_checkpoint.py --device cuda --tp 1 \
+    python scripts/benchmarks/benchmark_checkpoint.py                       # cpu, tp=2 gloo ranks
+    python scripts/benchmarks/benchmark_checkpoint.py --tp 1 --layers 8 --seq 512 --hidden 512
+    torchrun --nproc_per_node=1 scripts/benchmarks/benchmark_checkpoint.py --device cuda --tp 1 \
         --seq 2048 --batch 4 --hidden 2048 --heads 16 --dtype bf16
 
 A stack of ``--layers`` GPT layers (``megatron_core.transformer.TransformerLayer``, dropout on)
@@ -33,7 +33,7 @@ minus before) and "peak" (peak allocated during forward + backward minus before)
 torch's checkpoint replays the CPU and device generators but not the RNG tracker's streams, so its
 recomputed attention-dropout masks differ from the forward's (its gradients are not the model's;
 the work, and so the timing, is the same). The RNG fork microbenchmark of
-scripts/benchmark_rng_fork.py runs at the end.
+scripts/benchmarks/benchmark_rng_fork.py runs at the end.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def report_tables(result: dict, tp: int, clocks: list[str]) -> tuple[str, str]:
 
 
 def rng_fork_table(device_name: str, iters: int, reps: int) -> str:
-    """scripts/benchmark_rng_fork.py's measurement, as a markdown table."""
+    """scripts/benchmarks/benchmark_rng_fork.py's measurement, as a markdown table."""
     from benchmark_activation_memory import markdown_table
     from benchmark_rng_fork import median_us
 

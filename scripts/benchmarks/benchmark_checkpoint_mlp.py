@@ -2,8 +2,8 @@
 
 Run::
 
-    python scripts/benchmark_checkpoint_mlp.py                      # 1 and 2 threads, 13 rounds
-    python scripts/benchmark_checkpoint_mlp.py --threads 1 --rounds 5 --tokens 512  # quick look
+    python scripts/benchmarks/benchmark_checkpoint_mlp.py       # 1 and 2 threads, 13 rounds
+    python scripts/benchmarks/benchmark_checkpoint_mlp.py --threads 1 --rounds 5 --tokens 512
 
 Model: ``--blocks`` residual blocks ``x = x + Linear(gelu(Linear(x)))`` (hidden -> hidden twice),
 ``--tokens`` x ``--hidden`` fp32 input, each block one checkpoint. Modes:

@@ -2,11 +2,11 @@
 
 Run on CPU / gloo (spawns the ranks itself):
 
-    python scripts/benchmark_consistency.py --nproc 2
+    python scripts/benchmarks/benchmark_consistency.py --nproc 2
 
 or under torchrun (e.g. on GPUs with NCCL, one GPU per rank):
 
-    torchrun --nproc_per_node=2 scripts/benchmark_consistency.py --device cuda
+    torchrun --nproc_per_node=2 scripts/benchmarks/benchmark_consistency.py --device cuda
 
 For each message size, rank 0 prints the median over ``--reps`` interleaved repetitions of the
 time of one ``reduce_from_tensor_model_parallel_region`` (an all-reduce over the TP group) in

@@ -10,7 +10,7 @@ is the ring with each step waiting for its block before computing
 (``attention._RING_OVERLAP = False``). On the 2-core VM, CP=4 runs 4 processes on 2 cores, so
 its times measure contention as much as the algorithm.
 
-    python scripts/benchmark_context_parallel.py --seq 2048 4096 8192 --cp 1 2 4
+    python scripts/benchmarks/benchmark_context_parallel.py --seq 2048 4096 8192 --cp 1 2 4
 """
 
 from __future__ import annotations
@@ -18,11 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-from _ranks import run_ranks
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from scripts._ranks import run_ranks  # noqa: E402
 
 
 def _rank(rank: int, cp: int, args, port: int, queue) -> None:

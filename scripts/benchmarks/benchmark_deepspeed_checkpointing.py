@@ -18,7 +18,7 @@ Both runs must agree: the script checks that outputs and gradients are bitwise e
 
 Usage (DeepSpeed is a benchmark-only dependency, in its own environment)::
 
-    /tmp/dsvenv/bin/python scripts/benchmark_deepspeed_checkpointing.py --rounds 7
+    /tmp/dsvenv/bin/python scripts/benchmarks/benchmark_deepspeed_checkpointing.py --rounds 7
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@ attention ]): saved bytes and step time of one GPT layer, and the context-parall
 
 Run::
 
-    python scripts/benchmark_fused_attention.py                     # CPU, fp32, s 1024 2048 4096
-    python scripts/benchmark_fused_attention.py --seq 1024 --rounds 3 --cp-seq 0
-    torchrun --nproc_per_node=1 scripts/benchmark_fused_attention.py --device cuda --dtype bf16
+    python scripts/benchmarks/benchmark_fused_attention.py   # CPU, fp32, s 1024 2048 4096
+    python scripts/benchmarks/benchmark_fused_attention.py --seq 1024 --rounds 3 --cp-seq 0
+    torchrun --nproc_per_node=1 scripts/benchmarks/benchmark_fused_attention.py --device cuda \
+        --dtype bf16
 
 Part 1, one ``megatron_core.transformer.TransformerLayer`` (TP 1, one rank; hidden dropout 0.1,
 attention dropout 0: torch's CPU flash kernel has no dropout, so on the CPU "auto" would run
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_core import device, parallel_state  # noqa: E402
 from megatron_core.context_parallel import (  # noqa: E402

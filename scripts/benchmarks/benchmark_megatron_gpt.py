@@ -22,7 +22,7 @@ rank's. The report gives medians of per-round ratios (default / off paired withi
 ours / own between launches, which alternate ``--launches`` times) and the totals over all rounds,
 the first included (where the window's checks are paid).
 
-    python scripts/benchmark_megatron_gpt.py --rounds 11 --steps 5
+    python scripts/benchmarks/benchmark_megatron_gpt.py --rounds 11 --steps 5
 """
 
 from __future__ import annotations
@@ -30,12 +30,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-from _ranks import run_ranks
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from scripts._ranks import run_ranks  # noqa: E402
 
 
 def _build(args):

@@ -2,8 +2,9 @@
 
 Run (one GPU, NCCL at world size 1; the layers' collectives are identities at TP = 1)::
 
-    torchrun --standalone --nproc_per_node=1 scripts/benchmark_mlp_cuda.py
-    python scripts/benchmark_mlp_cuda.py --device cpu --hidden 64 --tokens 64 --iters 2  # dry run
+    torchrun --standalone --nproc_per_node=1 scripts/benchmarks/benchmark_mlp_cuda.py
+    python scripts/benchmarks/benchmark_mlp_cuda.py --device cpu --hidden 64 --tokens 64 \
+        --iters 2  # dry run
 
 For each ``--hidden`` H (FFN 4H, ``--tokens`` T as [T/2, 2, H], bf16 weights and input) every
 mode below runs one training step (forward, ``out.float().sum().backward()``, gradients dropped)
@@ -43,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils import checkpoint as torch_checkpoint
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from megatron_core import consistency, device  # noqa: E402
 from megatron_core import parallel_state as ps  # noqa: E402

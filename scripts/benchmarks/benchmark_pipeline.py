@@ -2,10 +2,10 @@
 
 Run (CPU, each pipeline size on that many gloo ranks)::
 
-    python scripts/benchmark_pipeline.py                       # pp 1 2 4, vp none/2, m 8
-    python scripts/benchmark_pipeline.py --pp 2 4 --microbatches 4 8 16 --forward-ms 20
-    python scripts/benchmark_pipeline.py --bubble --forward-ms 200 --repeats 5 \
-        --plot benchmarks/pipeline_bubble.png   # idle share only
+    python scripts/benchmarks/benchmark_pipeline.py                       # pp 1 2 4, vp none/2, m 8
+    python scripts/benchmarks/benchmark_pipeline.py --pp 2 4 --microbatches 4 8 16 --forward-ms 20
+    python scripts/benchmarks/benchmark_pipeline.py --bubble --forward-ms 200 --repeats 5 \
+        --plot docs/benchmarks/pipeline_bubble.png   # idle share only
 
 ``--bubble`` times only sleeping chunks (below, point 2) for 1F1B and the interleaved schedule
 blocking, with ``overlap_p2p_comm`` and with ``overlap_p2p_comm_warmup_flush``, at pp=4 v=2 m=16
@@ -41,7 +41,7 @@ import sys
 import time
 import types
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -13,9 +13,11 @@ measured the same way: its peak, and its median step time (forward + backward) o
 the machine hits them alike). Each plan is compared with the fastest hand option whose measured
 peak fits. Prints a markdown table and a text plot of step time against budget.
 
-    python scripts/benchmark_recompute_plan.py                     # CPU, ~2-4 minutes
-    python scripts/benchmark_recompute_plan.py --device cuda --layers 8 --hidden 1024 --seq 2048
-    python scripts/benchmark_recompute_plan.py --peaks-only --layers 8 --hidden 64 --seq 256
+    python scripts/benchmarks/benchmark_recompute_plan.py                  # CPU, ~2-4 minutes
+    python scripts/benchmarks/benchmark_recompute_plan.py --device cuda --layers 8 --hidden 1024 \
+        --seq 2048
+    python scripts/benchmarks/benchmark_recompute_plan.py --peaks-only --layers 8 --hidden 64 \
+        --seq 256
 """
 
 from __future__ import annotations
@@ -28,14 +30,12 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from check_recompute_plan_cuda import one_rank_gpt  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from megatron_core import device  # noqa: E402
 from megatron_core.tensor_parallel.recompute.plan import plan_recompute  # noqa: E402
 from megatron_core.tensor_parallel.recompute.plan_probe import step_peak  # noqa: E402
+from scripts.checks.check_recompute_plan_cuda import one_rank_gpt  # noqa: E402
 
 _MiB = 1 << 20
 # megatron-core's recompute_modules of a dense layer ("activation" is this package's alone)

@@ -9,8 +9,10 @@ at a budget runs side by side in one quiet process: ``--repeats`` rounds, each p
 step a round in a rotated order, timed by this thread's CPU time (the planner's clock) and by the
 wall clock; medians.
 
-    python scripts/benchmark_recompute_plan_load.py --model megatron --budgets 80MiB 115.6MiB 150MiB
-    python scripts/benchmark_recompute_plan_load.py --model ours --budgets 55MiB 75MiB 100MiB
+    python scripts/benchmarks/benchmark_recompute_plan_load.py --model megatron \
+        --budgets 80MiB 115.6MiB 150MiB
+    python scripts/benchmarks/benchmark_recompute_plan_load.py --model ours \
+        --budgets 55MiB 75MiB 100MiB
 
 Prints per budget the plans chosen (quiet / loaded counts) and their step times.
 """
@@ -25,11 +27,9 @@ import subprocess
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
-sys.path.insert(0, os.path.join(_HERE, ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-import check_recompute_plan_total as total  # noqa: E402
+from scripts.checks import check_recompute_plan_total as total  # noqa: E402
 
 
 def _compare(kind: str, plans: list[dict], repeats: int) -> list[tuple[float, float]]:

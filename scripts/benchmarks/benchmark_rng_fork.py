@@ -2,8 +2,8 @@
 
 Run (single process, no torchrun):
 
-    python scripts/benchmark_rng_fork.py                  # cpu
-    python scripts/benchmark_rng_fork.py --device cuda    # the current GPU
+    python scripts/benchmarks/benchmark_rng_fork.py                  # cpu
+    python scripts/benchmarks/benchmark_rng_fork.py --device cuda    # the current GPU
 
 Prints a markdown table: the median over ``--reps`` interleaved repetitions of the per-iteration
 time of an empty ``with`` block, for

@@ -11,7 +11,7 @@ on fresh random tokens. A round's CPU time is the sum over ranks of ``time.proce
 wall time the slowest rank's. The report gives per-model medians and the median of per-round
 ratios TE / local (rounds paired by index), for each ``--seq`` given.
 
-    python scripts/benchmark_te_stand_in.py --seq 256 1024 --rounds 7 --steps 3
+    python scripts/benchmarks/benchmark_te_stand_in.py --seq 256 1024 --rounds 7 --steps 3
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-from _ranks import run_ranks
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from scripts._ranks import run_ranks  # noqa: E402
 
 
 def _build(args, seq: int, spec_name: str):

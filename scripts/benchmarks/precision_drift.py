@@ -5,9 +5,9 @@ Runs scripts/train_gpt.py's engine (megatron_core.training.train) in worker proc
 and the final losses. Every run starts from the same fp32 weights (CPU initialization, rounded to
 the half dtype for bf16/fp16) and draws the same batches and dropout masks.
 
-    python scripts/precision_drift.py                      # 50 iterations, TP 1 and TP 2 (SP)
-    python scripts/precision_drift.py --iters 20 --tp 1    # shorter
-    python scripts/precision_drift.py --device cuda --tp 1 # on a GPU (TP ranks need GPUs)
+    python scripts/benchmarks/precision_drift.py                # 50 iterations, TP 1 and 2 (SP)
+    python scripts/benchmarks/precision_drift.py --iters 20 --tp 1              # shorter
+    python scripts/benchmarks/precision_drift.py --device cuda --tp 1  # a GPU (TP ranks need GPUs)
 
 Results go in BENCHMARKS.md ("Mixed precision"). Only loss values are compared; no timing.
 """

@@ -3,8 +3,9 @@ fused results against the unfused computation, and our GPT's tokens/s fused vs u
 
 One process (world size 1)::
 
-    python scripts/check_attention_cuda.py                      # H100 / H200: s 4096, hidden 2048
-    python scripts/check_attention_cuda.py --device cpu --seq 64 --hidden 64 --layers 2 --iters 1
+    python scripts/checks/check_attention_cuda.py         # H100 / H200: s 4096, hidden 2048
+    python scripts/checks/check_attention_cuda.py --device cpu --seq 64 --hidden 64 --layers 2 \
+        --iters 1
 
 1. Kernels and numerics, per case (causal, padding mask, GQA, dropout; bf16 and fp32): the
    kernel the core chose (``attention.kernels_used``), and the error of the fused output and
@@ -32,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from megatron_core import device, parallel_state  # noqa: E402
 from megatron_core.attention import (  # noqa: E402

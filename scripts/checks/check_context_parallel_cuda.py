@@ -7,7 +7,7 @@ output and gradients are compared with fp64 attention on the CPU; CP=2's error m
 twice CP=1's (the same function on one rank, bf16 on the GPU). Prints one result line per
 variant and exits non-zero on a failure.
 
-    python scripts/check_context_parallel_cuda.py
+    python scripts/checks/check_context_parallel_cuda.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ window has closed), inside a fourth: as the iteration's first collective on the 
 what the package did after the window before the per-iteration digest). A worker that dies is
 an abort; the outcomes are counted per mode and position.
 
-    python scripts/check_disagreement_after_window.py --tp 2
+    python scripts/checks/check_disagreement_after_window.py --tp 2
 
 Aborting cases kill their workers, so each call after one starts a fresh pool (a few seconds).
 Run it against an older tree by putting that tree first on PYTHONPATH: the cases use the public
@@ -20,7 +20,8 @@ import collections
 import os
 import sys
 
-_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "consistency")
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+_TESTS = os.path.join(_ROOT, "tests", "consistency")
 
 
 def main() -> None:

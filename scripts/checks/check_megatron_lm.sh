@@ -2,7 +2,7 @@
 # Megatron-LM's own pretrain_gpt.py, unchanged, with Megatron-LM's default flags, on this
 # machine's CPUs through the switch:
 #
-#   bash scripts/check_megatron_lm.sh MEGATRON_LM_DIR [SCENARIO ...]
+#   bash scripts/checks/check_megatron_lm.sh MEGATRON_LM_DIR [SCENARIO ...]
 #
 # MEGATRON_LM_DIR is a Megatron-LM checkout whose tag matches the installed megatron-core
 # (core_v0.16.1 with 0.16.1, core_v0.19.0 with 0.19.x); nothing in it is edited. Each run is
@@ -34,7 +34,7 @@
 # is_first_iteration), so a run's second loss line is the mean of its first two iterations; the
 # comparison undoes that (2 * second - first) and allows that one value the printing's rounding.
 set -uo pipefail
-MLM="${1:?usage: scripts/check_megatron_lm.sh MEGATRON_LM_DIR [SCENARIO ...]}"
+MLM="${1:?usage: scripts/checks/check_megatron_lm.sh MEGATRON_LM_DIR [SCENARIO ...]}"
 shift
 [ -f "$MLM/pretrain_gpt.py" ] || { echo "no pretrain_gpt.py in $MLM"; exit 2; }
 MLM="$(cd "$MLM" && pwd)"  # absolute: the script runs from the package's root below
@@ -42,7 +42,7 @@ PY="${PYTHON:-python}"
 OUT="${OUT:-$(mktemp -d -t megatron_lm_check.XXXXXX)}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SCENARIOS=("$@")
 [ "${#SCENARIOS[@]}" -gt 0 ] || SCENARIOS=(tp1 tp2 sp_tp2 pp2 tp2pp2 dp2 drop_tp2 full_dsa selective

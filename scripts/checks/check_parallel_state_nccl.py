@@ -6,11 +6,11 @@ compute_rank_layout predicts, and runs an all_reduce of the global ranks on each
 prints one line per group kind and "OK" at the end; any mismatch exits with status 1.
 
 Run (one GPU; one rank per GPU, NCCL refuses two ranks on one device):
-    torchrun --standalone --nproc_per_node=1 scripts/check_parallel_state_nccl.py
-    torchrun --standalone --nproc_per_node=8 scripts/check_parallel_state_nccl.py \
+    torchrun --standalone --nproc_per_node=1 scripts/checks/check_parallel_state_nccl.py
+    torchrun --standalone --nproc_per_node=8 scripts/checks/check_parallel_state_nccl.py \
         --tp 2 --cp 2 --ep 2
 The same checks without NCCL, for a CPU machine:
-    torchrun --standalone --nproc_per_node=4 scripts/check_parallel_state_nccl.py \
+    torchrun --standalone --nproc_per_node=4 scripts/checks/check_parallel_state_nccl.py \
         --device cpu --tp 2
 """
 

@@ -10,10 +10,10 @@
 Rank 0 prints one line per check and "OK" at the end; a mismatch exits with status 1.
 
 Run (one rank per GPU; NCCL refuses two ranks on one device, so pp > 1 needs pp GPUs):
-    torchrun --standalone --nproc_per_node=1 scripts/check_pipeline_cuda.py            # check 1
-    torchrun --standalone --nproc_per_node=2 scripts/check_pipeline_cuda.py            # 1 and 2
+    torchrun --standalone --nproc_per_node=1 scripts/checks/check_pipeline_cuda.py      # check 1
+    torchrun --standalone --nproc_per_node=2 scripts/checks/check_pipeline_cuda.py      # 1 and 2
 The same on CPU + gloo:
-    torchrun --standalone --nproc_per_node=2 scripts/check_pipeline_cuda.py --device cpu
+    torchrun --standalone --nproc_per_node=2 scripts/checks/check_pipeline_cuda.py --device cpu
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -9,7 +9,7 @@ the prediction.
 Exits non-zero when a measured peak exceeds its budget or differs from the prediction by more
 than 5%. ``--device cpu --layers 3 --hidden 64 --seq 128 --batch 2`` is a CPU dry run.
 
-    python scripts/check_recompute_plan_cuda.py
+    python scripts/checks/check_recompute_plan_cuda.py
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from megatron_core import device, parallel_state  # noqa: E402
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402

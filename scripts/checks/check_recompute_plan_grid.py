@@ -7,8 +7,8 @@ one step (``microbatches`` forward + backward passes, the gradients accumulating
 allocator timeline; the table gives the largest |predicted - measured| over the ranks and the
 three plans, and whether every measured peak fit its budget. Bytes are above the model states.
 
-    python scripts/check_recompute_plan_grid.py             # the whole grid, ~10 minutes here
-    python scripts/check_recompute_plan_grid.py --only 0 3  # rows 0 and 3
+    python scripts/checks/check_recompute_plan_grid.py             # the whole grid, ~10 minutes
+    python scripts/checks/check_recompute_plan_grid.py --only 0 3  # rows 0 and 3
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from _ranks import run_ranks  # noqa: E402
+from scripts._ranks import run_ranks  # noqa: E402
 
 _VOCAB, _BATCH, _LAYERS, _HIDDEN = 128, 2, 3, 64
 

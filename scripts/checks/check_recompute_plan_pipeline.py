@@ -11,9 +11,9 @@ printed beside the peak of one whole step of the schedule with that option, afte
 unmeasured step with it (MemoryTimeline: the profiler's allocator events), both above the model
 states.
 
-    python scripts/check_recompute_plan_pipeline.py
-    python scripts/check_recompute_plan_pipeline.py --microbatches 8 --layers 8 --seq 128
-    python scripts/check_recompute_plan_pipeline.py --vp 2 --layers 8
+    python scripts/checks/check_recompute_plan_pipeline.py
+    python scripts/checks/check_recompute_plan_pipeline.py --microbatches 8 --layers 8 --seq 128
+    python scripts/checks/check_recompute_plan_pipeline.py --vp 2 --layers 8
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from _ranks import run_ranks  # noqa: E402
+from scripts._ranks import run_ranks  # noqa: E402
 
 _KiB = 1 << 10
 _VOCAB, _BATCH = 128, 2

@@ -12,8 +12,9 @@ made at the first forward and kept) and our GPT. Two runs per budget, each in a 
    the largest bytes alive during the second step, replaying every allocation and free the
    session saw (blocks made before it, by torch's import, are not counted).
 
-    python scripts/check_recompute_plan_total.py --model megatron --budgets 80MiB 100MiB 130MiB
-    python scripts/check_recompute_plan_total.py --model ours --budgets 40MiB 60MiB
+    python scripts/checks/check_recompute_plan_total.py --model megatron \
+        --budgets 80MiB 100MiB 130MiB
+    python scripts/checks/check_recompute_plan_total.py --model ours --budgets 40MiB 60MiB
 
 Prints one row per budget: the plan, the prediction, the profiler's total, their difference,
 and whether the total fits the budget.
@@ -182,5 +183,5 @@ def _child(kind: str, run: str) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(_HERE, ".."))
+    sys.path.insert(0, os.path.join(_HERE, "..", ".."))
     main()

@@ -9,10 +9,11 @@ checks that weights drawn on the GPU (``use_cpu_initialization=False``) come fro
 Rank 0 prints one line per check and "OK" at the end; any mismatch exits with status 1.
 
 Run (one rank per GPU; NCCL refuses two ranks on one device):
-    torchrun --standalone --nproc_per_node=1 scripts/check_tensor_parallel_cuda.py
-    torchrun --standalone --nproc_per_node=8 scripts/check_tensor_parallel_cuda.py
+    torchrun --standalone --nproc_per_node=1 scripts/checks/check_tensor_parallel_cuda.py
+    torchrun --standalone --nproc_per_node=8 scripts/checks/check_tensor_parallel_cuda.py
 The same checks on CPU + gloo:
-    torchrun --standalone --nproc_per_node=4 scripts/check_tensor_parallel_cuda.py --device cpu
+    torchrun --standalone --nproc_per_node=4 scripts/checks/check_tensor_parallel_cuda.py \
+        --device cpu
 """
 
 import argparse

@@ -2,9 +2,9 @@
 # The CUDA / NCCL checks for a machine with one or more NVIDIA GPUs, sized for a lent
 # machine: one GPU, 16 cores, its own torch, nothing installable, minutes of device time.
 #
-#   bash scripts/gpu_check.sh                 # every step, most valuable first
-#   bash scripts/gpu_check.sh train checks    # only these steps, in this order
-#   bash scripts/gpu_check.sh --dry-run       # no GPU: check that every step's script is there
+#   bash scripts/checks/gpu_check.sh                 # every step, most valuable first
+#   bash scripts/checks/gpu_check.sh train checks    # only these steps, in this order
+#   bash scripts/checks/gpu_check.sh --dry-run       # no GPU: check that every step's script is there
 #                                             # and compiles, print the commands (CI runs this)
 #
 # Run from anywhere; it runs the package from this work tree (PYTHONPATH). A pure-Python package
@@ -14,10 +14,10 @@
 # in $OUT/summary.log, so a run cut short still returns what ran. At most 9 files are written.
 #
 # Steps, in the default order:
-#   bench_mlp  scripts/benchmark_mlp_cuda.py: ColumnParallel -> RowParallel MLP in bf16 at hidden
+#   bench_mlp  scripts/benchmarks/benchmark_mlp_cuda.py: ColumnParallel -> RowParallel MLP in bf16 at hidden
 #              4096 and 8192 (TFLOP/s, share of the measured GEMM peak, allocator peak), against
 #              torch nn.Linear, with our / torch's checkpoint, checks always vs off. Runs alone.
-#   attention  scripts/check_attention_cuda.py: the SDPA kernel each attention case chose, fused
+#   attention  scripts/checks/check_attention_cuda.py: the SDPA kernel each attention case chose, fused
 #              against unfused (core, context-parallel blocks, dropout under recompute), and our
 #              GPT's tokens/s fused vs unfused at hidden 2048, s = 4096, bf16. Runs alone.
 #   tests      the suite in the harness's CUDA mode (MEGATRON_CORE_TEST_DEVICE=cuda): world size
@@ -25,20 +25,20 @@
 #              background, pytest-xdist when present, beside the next steps. Environment:
 #              GPU_CHECK_TESTS (paths, default tests), GPU_CHECK_TESTS_LIMIT_S (default 300),
 #              GPU_CHECK_TESTS_WORKERS (xdist workers, default 8).
-#   checks     scripts/check_tensor_parallel_cuda.py, check_pipeline_cuda.py and
+#   checks     scripts/checks/check_tensor_parallel_cuda.py, check_pipeline_cuda.py and
 #              check_parallel_state_nccl.py, one rank (NCCL).
 #   train      the main job with --device cuda --bf16: 300 iterations saved at 150 and 300; a run
 #              resumed from 150 must end with bitwise the same checkpoint; the GPU's checkpoint
 #              then loads at TP 2 on two CPU ranks (gloo) and trains on.
-#   drift      scripts/precision_drift.py on the GPU (bf16 / fp16 loss drift vs fp32).
-#   cp         scripts/check_context_parallel_cuda.py: context-parallel attention (p2p,
+#   drift      scripts/benchmarks/precision_drift.py on the GPU (bf16 / fp16 loss drift vs fp32).
+#   cp         scripts/checks/check_context_parallel_cuda.py: context-parallel attention (p2p,
 #              all_gather, a2a) at CP=2 in bf16 against CP=1; two processes, NCCL on two GPUs,
 #              gloo sharing the GPU on one.
-#   plan       scripts/check_recompute_plan_cuda.py: the recompute planner's predicted peak
+#   plan       scripts/checks/check_recompute_plan_cuda.py: the recompute planner's predicted peak
 #              against torch.cuda.max_memory_allocated for the plans it emits from the
 #              no-recompute peak down to the smallest that fits (bf16 autocast, one GPU).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then
   DRY=1
@@ -54,10 +54,10 @@ PY="${PYTHON:-python3}"
 TESTS_LIMIT_S="${GPU_CHECK_TESTS_LIMIT_S:-300}"  # the suite's share of a 10-minute call
 TESTS="${GPU_CHECK_TESTS:-tests}"  # test files or folders for the tests step
 
-SCRIPTS="scripts/benchmark_mlp_cuda.py scripts/check_tensor_parallel_cuda.py scripts/check_pipeline_cuda.py
-scripts/check_parallel_state_nccl.py scripts/train_gpt.py scripts/precision_drift.py
-scripts/check_context_parallel_cuda.py scripts/check_recompute_plan_cuda.py
-scripts/check_attention_cuda.py"
+SCRIPTS="scripts/benchmarks/benchmark_mlp_cuda.py scripts/checks/check_tensor_parallel_cuda.py scripts/checks/check_pipeline_cuda.py
+scripts/checks/check_parallel_state_nccl.py scripts/train_gpt.py scripts/benchmarks/precision_drift.py
+scripts/checks/check_context_parallel_cuda.py scripts/checks/check_recompute_plan_cuda.py
+scripts/checks/check_attention_cuda.py"
 if [ "$DRY" = 1 ]; then
   for f in $SCRIPTS; do
     [ -f "$f" ] || { echo "gpu_check --dry-run: $f is missing" >&2; exit 1; }
@@ -102,13 +102,13 @@ run_logged() {  # run_logged LOG LIMIT_S COMMAND...: append the command and its 
 step_bench_mlp() {
   local log="$OUT/bench_mlp.log" start=$SECONDS
   run_logged "$log" 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
-    scripts/benchmark_mlp_cuda.py --hidden 4096,8192 --tokens 8192 --iters 20
+    scripts/benchmarks/benchmark_mlp_cuda.py --hidden 4096,8192 --tokens 8192 --iters 20
   note bench_mlp $? $start "$log" "^\||^hidden|MISMATCH|Error"
 }
 
 step_attention() {
   local log="$OUT/attention.log" start=$SECONDS
-  run_logged "$log" 240 "$PY" scripts/check_attention_cuda.py
+  run_logged "$log" 240 "$PY" scripts/checks/check_attention_cuda.py
   note attention $? $start "$log" "^attention|^our GPT|^\||FAIL|Error"
 }
 
@@ -139,7 +139,7 @@ step_checks() {
   local log="$OUT/checks.log" start=$SECONDS rc=0 f
   for f in check_tensor_parallel_cuda check_pipeline_cuda check_parallel_state_nccl; do
     run_logged "$log" 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
-      "scripts/$f.py" || rc=1
+      "scripts/checks/$f.py" || rc=1
   done
   note checks $rc $start "$log" "^world|OK|FAIL|mismatch|Error|^\+ exit"
 }
@@ -187,19 +187,19 @@ PY
 
 step_drift() {
   local log="$OUT/drift.log" start=$SECONDS
-  run_logged "$log" 200 "$PY" scripts/precision_drift.py --device cuda --tp 1
+  run_logged "$log" 200 "$PY" scripts/benchmarks/precision_drift.py --device cuda --tp 1
   note drift $? $start "$log" "^\||iterations|Error|error"
 }
 
 step_cp() {
   local log="$OUT/cp.log" start=$SECONDS
-  run_logged "$log" 200 "$PY" scripts/check_context_parallel_cuda.py
+  run_logged "$log" 200 "$PY" scripts/checks/check_context_parallel_cuda.py
   note cp $? $start "$log" "^cp=|FAIL|Error"
 }
 
 step_plan() {
   local log="$OUT/plan.log" start=$SECONDS
-  run_logged "$log" 200 "$PY" scripts/check_recompute_plan_cuda.py
+  run_logged "$log" 200 "$PY" scripts/checks/check_recompute_plan_cuda.py
   note plan $? $start "$log" "^\||bf16 autocast|FAIL|Error"
 }
 

@@ -19,10 +19,10 @@ never imported, so this runs without its dependencies and for any Python version
 Usage::
 
     pip download --no-deps --only-binary=:all: -d /tmp/mc016 megatron-core==0.16.1
-    python scripts/make_megatron_core_manifest.py /tmp/mc016/megatron_core-0.16.1-*.whl
+    python scripts/tools/make_megatron_core_manifest.py /tmp/mc016/megatron_core-0.16.1-*.whl
     pip download --no-deps --only-binary=:all: --python-version 3.12 -d /tmp/mc019 \\
         megatron-core==0.19.2
-    python scripts/make_megatron_core_manifest.py /tmp/mc019/megatron_core-0.19.2-*.whl
+    python scripts/tools/make_megatron_core_manifest.py /tmp/mc019/megatron_core-0.19.2-*.whl
 
 The output defaults to ``tests/data/megatron_core_<version>_api.json`` (dots as underscores), the
 version read from the wheel's ``package_info.py``. The path may also be a directory holding an
@@ -38,7 +38,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "tests/data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "tests/data"
 
 # Modules read in full (public top-level functions and classes), by dotted name under megatron.core.
 WHOLE_MODULES = (

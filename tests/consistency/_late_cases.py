@@ -1,5 +1,5 @@
 """Disagreements between the ranks of a TP group, run after three marked iterations (helper of
-test_after_the_window.py and scripts/check_disagreement_after_window.py).
+test_after_the_window.py and scripts/checks/check_disagreement_after_window.py).
 
 Each case is one way users make the ranks disagree -- shapes, dtypes, keys, vocabulary ranges,
 sequence splits, recompute inputs -- written for an initialized parallel_state with world size
@@ -281,8 +281,8 @@ CASES = {
 }  # fmt: skip
 
 # Where a case ends in the default mode after the window other than an error on every rank
-# (scripts/check_disagreement_after_window.py counts them). As the iteration's first collective
-# on the group ("head") every case raises on every rank, except the two marked "both".
+# (scripts/checks/check_disagreement_after_window.py counts them). As the iteration's first
+# collective on the group ("head") every case raises on every rank, except the two marked "both".
 SOME_RANKS = {  # the rank that differs raises alone; its peers wait until a timeout names it
     "layer_input_f64_one_rank": "the last rank's own dtype check (both)",
     "sequence_reduce_scatter_indivisible_one_rank": "the last rank's own split check",

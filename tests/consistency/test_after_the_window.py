@@ -8,7 +8,7 @@ iteration's digest). Every outcome is asserted exactly (``_late_cases.expected``
 every rank, the same message; where the rank that differs raises alone or every rank waits, a
 timeout names the collective. The cases that make gloo abort the process in the mid position
 (``_late_cases.ABORTS``, each with its sizes) are left out here: they would kill the workers;
-``scripts/check_disagreement_after_window.py`` counts them, before and after.
+``scripts/checks/check_disagreement_after_window.py`` counts them, before and after.
 """
 
 from __future__ import annotations

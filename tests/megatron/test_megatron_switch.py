@@ -203,9 +203,10 @@ def test_jit_fuser_compiles_at_first_call_not_at_import():
 
 
 def test_check_megatron_lm_script_parses_and_names_a_missing_checkout(tmp_path):
-    # scripts/check_megatron_lm.sh runs Megatron-LM's pretrain_gpt.py from a user's checkout
+    # scripts/checks/check_megatron_lm.sh runs Megatron-LM's pretrain_gpt.py from a user's checkout
     # (none in CI): here it must parse, and refuse a folder without the script, naming it.
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "check_megatron_lm.sh")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    script = os.path.join(root, "scripts", "checks", "check_megatron_lm.sh")
     assert subprocess.run(["bash", "-n", script], timeout=60).returncode == 0
     result = subprocess.run(
         ["bash", script, str(tmp_path)], capture_output=True, text=True, timeout=60

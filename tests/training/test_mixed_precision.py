@@ -4,11 +4,11 @@ End-to-end checks run the tiny GPT of test_train_gpt.py through ``train`` for 50
 - bf16 tracks fp32 at TP 1 and at TP 2 with sequence parallelism. Tolerance: 0.02 nats per
   iteration. The runs share weights (bf16 = the fp32 init rounded), batches and dropout masks;
   bf16 rounds weights to 8 significant bits (relative 2^-9 = 2e-3) and activations likewise, so
-  the loss of a ~5.5-nat byte model moves by a few 1e-3 nats; scripts/precision_drift.py measured
-  at most 0.003-0.006 on this model (docs/benchmarks/), and 0.02 leaves headroom for the optimizer
-  trajectories to separate over 50 steps while still catching a broken main-grad or
-  master-weight path (a step lost, a grad in bf16 accumulation, or a stale weight copy gives
-  >= 0.05 within a few steps at lr 1e-3).
+  the loss of a ~5.5-nat byte model moves by a few 1e-3 nats;
+  scripts/benchmarks/precision_drift.py measured at most 0.003-0.006 on this model
+  (docs/benchmarks/), and 0.02 leaves headroom for the optimizer trajectories to separate over
+  50 steps while still catching a broken main-grad or master-weight path (a step lost, a grad
+  in bf16 accumulation, or a stale weight copy gives >= 0.05 within a few steps at lr 1e-3).
 - bf16 at TP 1 and TP 2 agree to the same 0.02.
 - fp16 (loss scale 2^10: no overflow on this model) tracks fp32 to the same 0.02 (fp16 keeps
   11 significant bits: its drift is ~10x smaller than bf16's).

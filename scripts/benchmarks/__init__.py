@@ -1,0 +1,1 @@
+"""The benchmark scripts: each measures side by side in one run; docs/benchmarks/ quotes them."""
