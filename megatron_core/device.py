@@ -40,7 +40,7 @@ NOTE [ The allocator's total on the CPU ]
    collective's buffers while gloo's worker still has them). Between training steps there are
    none of the first, and the second are freed as the collective ends; so the census is taken
    as a step begins, and a step's peak above it is read from the allocator's events
-   (tensor_parallel/recompute/plan_probe.MemoryTimeline). tests/tensor_parallel/recompute/
+   (tensor_parallel/recompute/planner/probe.MemoryTimeline). tests/tensor_parallel/recompute/
    test_plan_total.py checks the census against torch's profiler switched on before the model
    was built (every block's size known) on our GPT and on megatron-core's GPTModel.
 3. It costs a walk over the collector's objects (about 0.1 s with megatron-core imported on a

@@ -5,9 +5,9 @@
    Work go, which can be after ``wait()`` returned. Where that thread drops the last reference,
    the storage is freed there, and torch's profiler, which records allocator events only on the
    threads it profiles, never sees the free (an all_reduce of 64 KiB between two CPU ranks lost
-   its free in 5 of 20 runs). plan_probe.MemoryTimeline reads every CPU peak from those events:
-   a lost free counts the tensor as live to the end of the step, so the CPU measurements of
-   several ranks read high by a varying amount.
+   its free in 5 of 20 runs). The recompute planner's MemoryTimeline (planner/probe.py) reads
+   every CPU peak from those events: a lost free counts the tensor as live to the end of the
+   step, so the CPU measurements of several ranks read high by a varying amount.
 2. While a timeline records (:func:`recording_frees`), the package's collectives (those of
    tensor_parallel/_collectives.py, the host-side agreement's, vocab-parallel cross entropy's)
    hand gloo aliases of their tensors (:class:`Handed`) and, after the wait, drop the Work and

@@ -334,7 +334,7 @@ def _check_memory_budget(args: argparse.Namespace) -> None:
     budget = getattr(args, "memory_budget", None)
     if budget is None:
         return
-    from megatron_core.tensor_parallel.recompute.plan import parse_memory_budget
+    from megatron_core.tensor_parallel.recompute.planner import parse_memory_budget
 
     if "%" not in budget:  # a share needs the device, which the process may not have yet
         parse_memory_budget(budget)

@@ -2,7 +2,7 @@
 with the plan, and measure the second iteration's peak against the prediction.
 
 Every rank probes one microbatch of the first iteration's data (NOTE [ Recompute planner ] in
-tensor_parallel/recompute/plan.py; the optimizer's moments, not made yet, are counted as its
+tensor_parallel/recompute/planner/; the optimizer's moments, not made yet, are counted as its
 first step will make them), the plan is printed and applied to the model's layers, and the
 second iteration (the first where the moments exist; the only one of a one-iteration run) runs
 under the allocator timeline: its peak, the allocator's total with nothing subtracted (model and
@@ -18,8 +18,8 @@ import torch
 
 from megatron_core import device, parallel_state
 from megatron_core.pipeline_parallel import get_tensor_shapes, interleaved_chunk_order
-from megatron_core.tensor_parallel.recompute.plan import RecomputePlan, plan_recompute
-from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
+from megatron_core.tensor_parallel.recompute.planner import RecomputePlan, plan_recompute
+from megatron_core.tensor_parallel.recompute.planner.probe import MemoryTimeline
 from megatron_core.training.data import ByteCorpus, get_batch
 from megatron_core.training.mixed_precision import MixedPrecisionOptimizer
 

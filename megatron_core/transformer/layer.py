@@ -207,7 +207,7 @@ class TransformerBlock(torch.nn.Module):
         self.final_layernorm = make_layer_norm(config) if post_process else None
         self.input_tensor = None
         self.layer_recompute: list[str] | None = None  # set_layer_recompute's full choices
-        self.probe = None  # a recompute planner's marks (plan_probe.py), else None
+        self.probe = None  # a recompute planner's marks (recompute/planner/probe.py), else None
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """The activation [s, b, h] ([s/tp, b, h] under SP) received from the previous stage."""

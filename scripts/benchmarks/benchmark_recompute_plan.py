@@ -33,8 +33,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from megatron_core import device  # noqa: E402
-from megatron_core.tensor_parallel.recompute.plan import plan_recompute  # noqa: E402
-from megatron_core.tensor_parallel.recompute.plan_probe import step_peak  # noqa: E402
+from megatron_core.tensor_parallel.recompute.planner import plan_recompute  # noqa: E402
+from megatron_core.tensor_parallel.recompute.planner.probe import step_peak  # noqa: E402
 from scripts.checks.check_recompute_plan_cuda import one_rank_gpt  # noqa: E402
 
 _MiB = 1 << 20

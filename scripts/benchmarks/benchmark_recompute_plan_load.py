@@ -37,7 +37,7 @@ def _compare(kind: str, plans: list[dict], repeats: int) -> list[tuple[float, fl
     the plans run round-robin in one process."""
     import torch
 
-    from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks
+    from megatron_core.tensor_parallel.recompute.planner.probe import _find_blocks
 
     total._start(kind)
     model, optimizer, forward = total._build(kind, {}, None)

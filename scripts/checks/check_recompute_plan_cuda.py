@@ -4,7 +4,7 @@ One process (NCCL, world size 1): our GPT (8 layers, hidden 1024, sequence 2048,
 4, bf16 autocast) and AdamW after one step; the planner probes it, then for budgets from the
 no-recompute peak down to the smallest plan that fits, each emitted plan runs one forward and
 backward, and its peak, the allocator's total with nothing subtracted (``max_memory_allocated``
-after ``reset_peak_memory_stats``; on the CPU ``plan_probe.step_total_peak``), is printed beside
+after ``reset_peak_memory_stats``; on the CPU ``planner.probe.step_total_peak``), is printed beside
 the prediction.
 Exits non-zero when a measured peak exceeds its budget or differs from the prediction by more
 than 5%. ``--device cpu --layers 3 --hidden 64 --seq 128 --batch 2`` is a CPU dry run.
@@ -25,14 +25,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_core import device, parallel_state  # noqa: E402
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
-from megatron_core.tensor_parallel.recompute.plan import (  # noqa: E402
+from megatron_core.tensor_parallel.recompute.planner import (  # noqa: E402
     headroom,
     measure_stage,
     predict_peak,
     search_plan,
     smallest_fit,
 )
-from megatron_core.tensor_parallel.recompute.plan_probe import step_total_peak  # noqa: E402
+from megatron_core.tensor_parallel.recompute.planner.probe import step_total_peak  # noqa: E402
 from megatron_core.transformer import GPTModel, TransformerConfig  # noqa: E402
 
 _MiB = 1 << 20

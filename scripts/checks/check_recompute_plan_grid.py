@@ -61,7 +61,7 @@ GRID = [
 def _rank(rank: int, layout: Layout, port: int, queue) -> None:
     from megatron_core import parallel_state
     from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron_core.tensor_parallel.recompute.plan import (
+    from megatron_core.tensor_parallel.recompute.planner import (
         headroom,
         in_flight_microbatches,
         measure_stage,
@@ -69,7 +69,7 @@ def _rank(rank: int, layout: Layout, port: int, queue) -> None:
         search_plan,
         smallest_fit,
     )
-    from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
+    from megatron_core.tensor_parallel.recompute.planner.probe import step_peak
     from megatron_core.transformer import GPTModel, TransformerConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

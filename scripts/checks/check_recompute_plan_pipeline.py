@@ -41,13 +41,13 @@ def _rank(rank: int, args, port: int, queue) -> None:
         interleaved_chunk_order,
     )
     from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron_core.tensor_parallel.recompute.plan import (
+    from megatron_core.tensor_parallel.recompute.planner import (
         in_flight_microbatches,
         measure_chunks,
         predict_peak,
         schedule_in_flight,
     )
-    from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
+    from megatron_core.tensor_parallel.recompute.planner.probe import step_peak
     from megatron_core.training.memory_plan import stage_probe_forward
     from megatron_core.training.pipeline_step import build_pipeline_model
     from megatron_core.transformer import TransformerConfig

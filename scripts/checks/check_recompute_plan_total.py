@@ -97,7 +97,7 @@ def _start(kind: str) -> None:
 def plan(kind: str, budget: str) -> dict:
     """Run 1: the plan and its prediction."""
     _start(kind)
-    from megatron_core.tensor_parallel.recompute.plan import plan_recompute
+    from megatron_core.tensor_parallel.recompute.planner import plan_recompute
 
     model, optimizer, forward = _build(kind, {}, None)
     chosen = plan_recompute(model, forward, budget, optimizer)

@@ -1,11 +1,11 @@
 """The recompute planner on megatron-core's own GPTModel (local spec) through the switch (NOTE
-[ Recompute planner ], rule 6; tensor_parallel/recompute/plan_megatron.py).
+[ Recompute planner ], rule 6; tensor_parallel/recompute/planner/megatron.py).
 
 The planner probes megatron-core's block in place, chooses the fastest plan its
 TransformerConfig expresses at budgets from the no-recompute peak down to the smallest that fits,
 and each plan's fields build a fresh GPTModel through TransformerConfig whose measured step peak
 must fit the budget and match the prediction. Both are the allocator's total at the step's peak,
-nothing subtracted (``plan_probe.step_total_peak``): the model states, the optimizer's, and
+nothing subtracted (``planner.probe.step_total_peak``): the model states, the optimizer's, and
 megatron-core's global memory buffer, which its local attention makes at the first forward
 (``[b * np, s, s]`` scores for ``baddbmm``) and keeps.
 """
@@ -65,7 +65,7 @@ def _measured_step(model, forward, microbatches: int = 1) -> int:
     """The allocator's total at the peak of a step of ``microbatches`` forward + backward passes
     (the gradients accumulating), nothing subtracted; a step before it, as in training:
     megatron-core makes its global memory buffer at the first forward and keeps it."""
-    from megatron_core.tensor_parallel.recompute.plan_probe import step_total_peak
+    from megatron_core.tensor_parallel.recompute.planner.probe import step_total_peak
 
     def step():
         for _ in range(microbatches):
@@ -77,14 +77,14 @@ def _measured_step(model, forward, microbatches: int = 1) -> int:
 
 def _megatron_plans_against_measurement(tp, seq, hidden):
     from megatron_core import parallel_state as ps
-    from megatron_core.tensor_parallel.recompute.plan import (
+    from megatron_core.tensor_parallel.recompute.planner import (
         choose_plan,
         headroom,
         measure_stage,
         plan_recompute,
         predict_peak,
     )
-    from megatron_core.tensor_parallel.recompute.plan_search import _megatron_candidates
+    from megatron_core.tensor_parallel.recompute.planner.search import _megatron_candidates
 
     build, forward_of = _setup(tp, seq, hidden)
     model = build()
@@ -150,8 +150,8 @@ def test_megatron_gpt_plans_fit_the_budget_through_transformer_config(world, tp,
 def _microbatches_against_measurement(tp, seq, hidden, m):
     import dataclasses
 
-    from megatron_core.tensor_parallel.recompute.plan import measure_stage, predict_peak
-    from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks
+    from megatron_core.tensor_parallel.recompute.planner import measure_stage, predict_peak
+    from megatron_core.tensor_parallel.recompute.planner.probe import _find_blocks
 
     build, forward_of = _setup(tp, seq, hidden)
     model = build()
@@ -188,8 +188,8 @@ def test_megatron_gpt_later_microbatches_are_predicted(world, tp, hidden):
 
 def _refusals():
     from megatron_core.errors import MegatronCoreError
-    from megatron_core.tensor_parallel.recompute.plan import plan_recompute
-    from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks
+    from megatron_core.tensor_parallel.recompute.planner import plan_recompute
+    from megatron_core.tensor_parallel.recompute.planner.probe import _find_blocks
 
     build, forward_of = _setup(1, 32, 32)
     model = build()
@@ -227,8 +227,8 @@ def _with_ddp_and_optimizer():
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_core.tensor_parallel.recompute.plan import plan_recompute
-    from megatron_core.tensor_parallel.recompute.plan_probe import (
+    from megatron_core.tensor_parallel.recompute.planner import plan_recompute
+    from megatron_core.tensor_parallel.recompute.planner.probe import (
         model_state_bytes,
         step_total_peak,
     )
@@ -278,12 +278,12 @@ def _megatron_pipeline_stage(microbatches):
 
     from _megatron_gpt import install
 
-    from megatron_core.tensor_parallel.recompute.plan import (
+    from megatron_core.tensor_parallel.recompute.planner import (
         in_flight_microbatches,
         measure_chunks,
         predict_peak,
     )
-    from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks, step_total_peak
+    from megatron_core.tensor_parallel.recompute.planner.probe import _find_blocks, step_total_peak
 
     install()
     from megatron.core import parallel_state, tensor_parallel

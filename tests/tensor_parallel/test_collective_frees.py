@@ -12,7 +12,7 @@ from megatron_core import consistency
 from megatron_core.parallel_state.handed import recording_frees
 from megatron_core.tensor_parallel import _collectives
 from megatron_core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
+from megatron_core.tensor_parallel.recompute.planner.probe import MemoryTimeline
 from megatron_core.testing import run_distributed
 
 _OPS = {

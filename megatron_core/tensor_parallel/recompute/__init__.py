@@ -14,6 +14,9 @@ file one idea:
 * determinism.py, debug.py: the optional determinism check and the op log of a differing
   recompute.
 * memory.py: ``count_saved_activations``, the bytes autograd keeps for backward.
+* planner/: the recompute planner, a memory budget in and the fastest per-layer plan that fits
+  out (``plan_recompute``; NOTE [ Recompute planner ] in its face); plan.py serves its public
+  names at their first path. This face does not import it.
 
 megatron-core's paths ``tensor_parallel.checkpoint`` and ``tensor_parallel.random.checkpoint``
 are served by the ``tensor_parallel`` face, which imports this package.

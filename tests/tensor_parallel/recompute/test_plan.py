@@ -1,11 +1,11 @@
-"""The recompute planner (NOTE [ Recompute planner ] in tensor_parallel/recompute/plan.py): its
+"""The recompute planner (NOTE [ Recompute planner ] in tensor_parallel/recompute/planner/): its
 predicted peak against the allocator's measured peak for every plan it emits, the budget never
 exceeded, and its refusals.
 
 Each case builds our GPT on its ranks, probes it once, then plans at budgets from the
 no-recompute peak down to the smallest that fits and runs each emitted plan: predicted and
 measured peaks must agree within 5% and the measured peak must fit the budget. Both are the
-allocator's total at the step's peak, nothing subtracted (``plan_probe.step_total_peak``:
+allocator's total at the step's peak, nothing subtracted (``planner.probe.step_total_peak``:
 ``max_memory_allocated`` on a GPU, the census of what is alive plus the allocator events' peak
 above it on the CPU). Layouts: TP 1 (fp32; bf16 autocast), TP 2 with and
 without sequence parallelism (the latter with full_distributed), TP 4 with sequence parallelism
@@ -23,7 +23,7 @@ import torch
 from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron_core.tensor_parallel.recompute.plan import (
+from megatron_core.tensor_parallel.recompute.planner import (
     headroom,
     measure_stage,
     parse_memory_budget,
@@ -33,7 +33,7 @@ from megatron_core.tensor_parallel.recompute.plan import (
     search_plan,
     smallest_fit,
 )
-from megatron_core.tensor_parallel.recompute.plan_probe import probe_step, step_total_peak
+from megatron_core.tensor_parallel.recompute.planner.probe import probe_step, step_total_peak
 from megatron_core.testing import run_distributed
 from megatron_core.transformer import GPTModel, TransformerConfig
 
@@ -170,7 +170,10 @@ def _schedule_plans_against_measurement(pp, microbatches, vp):
 
 def _schedule_plans_measured(pp, microbatches, vp):
     from megatron_core.pipeline_parallel import interleaved_chunk_order
-    from megatron_core.tensor_parallel.recompute.plan import in_flight_microbatches, measure_chunks
+    from megatron_core.tensor_parallel.recompute.planner import (
+        in_flight_microbatches,
+        measure_chunks,
+    )
 
     chunks, forwards, step = _stage_model(pp, microbatches, vp, layers=8 if vp else 4)
     stage = measure_chunks(chunks, forwards, repeats=1, microbatches=microbatches)
@@ -281,6 +284,16 @@ def test_budget_sizes():
     assert parse_memory_budget(4096) == 4096
 
 
+def test_the_plan_module_serves_the_planners_public_names():
+    # recompute.plan is the path the planner's names were first served from; it stays an alias
+    # of the planner's face: the same names, the same objects.
+    from megatron_core.tensor_parallel.recompute import plan, planner
+
+    assert plan.__all__ and sorted(plan.__all__) == sorted(planner.__all__)
+    for name in planner.__all__:
+        assert getattr(plan, name) is getattr(planner, name), name
+
+
 def _refused(kind):
     if kind == "schedule":  # chunk 1's backward before its forward
         chunks, forwards, _ = _stage_model(2, 2, vp=2, layers=8)
@@ -376,7 +389,8 @@ def _work(seconds: float) -> None:
 def _timed_choice_of(slow):
     import dataclasses
 
-    from megatron_core.tensor_parallel.recompute.plan import _timed_choice, choose_plan
+    from megatron_core.tensor_parallel.recompute.planner import choose_plan
+    from megatron_core.tensor_parallel.recompute.planner.contest import timed_choice
 
     model, tokens, labels = _model()
     stage = measure_stage(model, lambda: model(tokens, labels).mean(), repeats=1)
@@ -392,7 +406,7 @@ def _timed_choice_of(slow):
             _work(0.1)
         return model(tokens, labels).mean()
 
-    chosen = _timed_choice(plan, [model], [forward], repeats=3)
+    chosen = timed_choice(plan, [model], [forward], repeats=3)
     return chosen.choices, chosen.overhead_ms, chosen.timed, model.decoder.layer_recompute
 
 
@@ -411,11 +425,11 @@ def test_the_faster_of_the_searched_and_megatron_plans_is_kept(slow):
 
 
 def _contest(monkeypatch, plan, rounds):
-    """plan_contest.timed_choice on ``plan`` with each candidate's rounds taken from ``rounds``
+    """contest.timed_choice on ``plan`` with each candidate's rounds taken from ``rounds``
     (choices -> an iterator of milliseconds) instead of timed steps."""
-    from megatron_core.tensor_parallel.recompute import plan_contest
+    from megatron_core.tensor_parallel.recompute.planner import contest
 
-    monkeypatch.setattr(plan_contest, "time_step", lambda m, c, f, r: next(rounds[tuple(c)]))
+    monkeypatch.setattr(contest, "time_step", lambda m, c, f, r: next(rounds[tuple(c)]))
 
     class Block(torch.nn.Module):
         probe = None
@@ -423,7 +437,7 @@ def _contest(monkeypatch, plan, rounds):
         def set_layer_recompute(self, choices):
             pass
 
-    return plan_contest.timed_choice(plan, [torch.nn.Sequential(Block())], [None], 3)
+    return contest.timed_choice(plan, [torch.nn.Sequential(Block())], [None], 3)
 
 
 @pytest.mark.parametrize(
@@ -443,8 +457,8 @@ def test_the_contest_keeps_the_fastest_or_the_least_flops_where_rounds_cannot_te
     # compared again. A candidate's time is its least round (a shared
     # machine only adds work); one within 1% of the fastest after a second set of rounds
     # leaves the choice to the FLOP share.
-    from megatron_core.tensor_parallel.recompute.plan import RecomputePlan
-    from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
+    from megatron_core.tensor_parallel.recompute.planner import RecomputePlan
+    from megatron_core.tensor_parallel.recompute.planner.search import OptionMeasure, StageMeasure
 
     options = {
         "none": OptionMeasure(10, 1, 1, 0, 0.0, flop_ms=0.0),
@@ -470,8 +484,8 @@ def test_a_plan_that_recomputes_more_is_kept_only_where_clearly_faster(
     # NOTE [ Recompute planner ], rule 4: full recompute of both layers does all that of the
     # first layer alone does and more; timed 5% faster it is noise (the other is the plan),
     # 20% faster it is kept
-    from megatron_core.tensor_parallel.recompute.plan import RecomputePlan
-    from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
+    from megatron_core.tensor_parallel.recompute.planner import RecomputePlan
+    from megatron_core.tensor_parallel.recompute.planner.search import OptionMeasure, StageMeasure
 
     options = {
         "none": OptionMeasure(10, 1, 1, 0, 0.0, flop_ms=0.0),
@@ -490,7 +504,7 @@ def test_a_plan_that_recomputes_more_is_kept_only_where_clearly_faster(
 
 
 def test_recomputes_all_of_orders_plans_by_their_recompute_layer_by_layer():
-    from megatron_core.tensor_parallel.recompute.plan_contest import recomputes_all_of
+    from megatron_core.tensor_parallel.recompute.planner.contest import recomputes_all_of
 
     sel, more = "selective:core_attn", "selective:layernorm+core_attn"
     assert recomputes_all_of(["full", "full"], ["full", "none"])
@@ -507,8 +521,8 @@ def test_the_megatron_setting_reported_is_the_plan_chosen(monkeypatch):
     # megatron-core's model takes one setting: where the FLOP share keeps the plan (core
     # attention on every layer) over a rival 0.5% faster (full recompute of the first layer),
     # the megatron-core fields reported are the plan's, not the fastest-timed rival's
-    from megatron_core.tensor_parallel.recompute.plan import RecomputePlan
-    from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
+    from megatron_core.tensor_parallel.recompute.planner import RecomputePlan
+    from megatron_core.tensor_parallel.recompute.planner.search import OptionMeasure, StageMeasure
 
     options = {
         "none": OptionMeasure(10, 1, 1, 0, 0.0, flop_ms=0.0),
@@ -535,8 +549,8 @@ def test_the_megatron_setting_that_recomputes_least_is_a_rival_whatever_its_time
     # NOTE [ Recompute planner ], rule 4: the time model (measured beside other work) rates full
     # recompute of one layer at 30 ms, far above 1.5x core attention's 4 ms; where it recomputes
     # a smaller FLOP share than core attention on both layers it is timed in the contest anyway
-    from megatron_core.tensor_parallel.recompute import plan_contest
-    from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
+    from megatron_core.tensor_parallel.recompute.planner import contest
+    from megatron_core.tensor_parallel.recompute.planner.search import OptionMeasure, StageMeasure
 
     options = {
         "none": OptionMeasure(10, 1, 1, 0, 0.0, flop_ms=0.0),
@@ -547,13 +561,14 @@ def test_the_megatron_setting_that_recomputes_least_is_a_rival_whatever_its_time
     selective = ["selective:core_attn"] * 2  # predicted 11; full on the first layer 12
     best = {"fields": {"recompute_modules": ["core_attn"]}, "choices": selective,
             "predicted_peak": 11, "overhead_ms": 4.0}  # fmt: skip
-    found = plan_contest.rivals(stage, 12, 0, True, selective, best)
+    found = contest.rivals(stage, 12, 0, True, selective, best)
     assert [r["choices"] for r in found] == ([rival] if rival else [])
 
 
 def _near_the_budget(tp, share):
-    from megatron_core.tensor_parallel.recompute.plan import _timed_choice, choose_plan
-    from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
+    from megatron_core.tensor_parallel.recompute.planner import choose_plan
+    from megatron_core.tensor_parallel.recompute.planner.contest import timed_choice
+    from megatron_core.tensor_parallel.recompute.planner.probe import step_peak
 
     model, tokens, labels = _model(tp)
 
@@ -565,7 +580,7 @@ def _near_the_budget(tp, share):
     stage = measure_stage(model, forward, repeats=2)
     # "none"'s predicted peak plus the ranks' and runs' spread (rule 5), times ``share``
     budget = int((predict_peak(stage, ["none"] * 3) + stage.spread) * share)
-    plan = _timed_choice(choose_plan(stage, budget, activations_only=True), [model], [forward], 2)
+    plan = timed_choice(choose_plan(stage, budget, activations_only=True), [model], [forward], 2)
     plan.apply(model)
     measured = step_peak(model, lambda: forward().backward())
     edges = [(e["source"], e["fits"]) for e in plan.edges]
@@ -592,9 +607,9 @@ def test_a_plan_that_fits_only_inside_the_margin_is_measured_and_kept(world, tp,
 
 
 def test_a_measured_step_stands_in_for_the_margin_and_no_more():
-    # plan_search.fits_when_measured: the prediction, plus what the measured one-microbatch step
+    # planner.search.fits_when_measured: the prediction, plus what the measured one-microbatch step
     # exceeded its prediction by, plus the spread (and 5% with several microbatches), must fit.
-    from megatron_core.tensor_parallel.recompute.plan_search import (
+    from megatron_core.tensor_parallel.recompute.planner.search import (
         OptionMeasure,
         StageMeasure,
         fits_when_measured,
@@ -618,7 +633,7 @@ def test_the_interleaved_prediction_follows_the_schedule_order():
     # NOTE [ Recompute planner ], rule 3: along the order each held chunk-microbatch keeps its
     # own chunk's pre + K + head_left, the first backward on a chunk makes its gradients, the
     # later ones find them. The numbers below are worked by hand, event by event.
-    from megatron_core.tensor_parallel.recompute.plan_search import OptionMeasure, StageMeasure
+    from megatron_core.tensor_parallel.recompute.planner.search import OptionMeasure, StageMeasure
 
     a = StageMeasure(1, 0, 10, 0, 0, 0, 1.0, {"none": OptionMeasure(50, 20, 30, 100, 0.0, 25)},
                      grads=100)  # fmt: skip
@@ -636,7 +651,7 @@ def test_the_interleaved_prediction_follows_the_schedule_order():
 
 
 def _same_step_measured_three_ways():
-    from megatron_core.tensor_parallel.recompute.plan_probe import step_peak
+    from megatron_core.tensor_parallel.recompute.planner.probe import step_peak
 
     model, tokens, labels = _model()
 
@@ -662,7 +677,7 @@ def test_a_step_reads_the_same_after_unprofiled_and_profiled_steps():
 
 
 def _older_block_freed_inside():
-    from megatron_core.tensor_parallel.recompute.plan_probe import MemoryTimeline
+    from megatron_core.tensor_parallel.recompute.planner.probe import MemoryTimeline
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True):  # fmt: skip

@@ -139,8 +139,8 @@ def test_the_cpu_census_is_the_allocator_s_total(kind, world):
 
 
 def _buffer_planned(scratch_bytes: int):
-    from megatron_core.tensor_parallel.recompute.plan import plan_recompute
-    from megatron_core.tensor_parallel.recompute.plan_probe import step_total_peak
+    from megatron_core.tensor_parallel.recompute.planner import plan_recompute
+    from megatron_core.tensor_parallel.recompute.planner.probe import step_total_peak
 
     model, forward = _ours(1, scratch_bytes)  # no forward yet: the buffer is not made
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

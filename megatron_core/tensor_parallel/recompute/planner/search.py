@@ -1,7 +1,7 @@
 """The recompute planner's prediction and search (NOTE [ Recompute planner ], rules 2-5, in
-plan.py): the measurements they read (OptionMeasure, StageMeasure), an option's time floor and
-monotone costs, a plan's predicted peak, the dynamic programme over the layers, the smallest
-budget that fits, the headroom kept below a budget, and the plans megatron-core's
+the planner's face): the measurements they read (OptionMeasure, StageMeasure), an option's time
+floor and monotone costs, a plan's predicted peak, the dynamic programme over the layers, the
+smallest budget that fits, the headroom kept below a budget, and the plans megatron-core's
 TransformerConfig can express (rule 6)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from megatron_core.tensor_parallel.recompute.plan_megatron import megatron_fields
+from megatron_core.tensor_parallel.recompute.planner.megatron import megatron_fields
 
 __all__ = [
     "OptionMeasure",

@@ -1,12 +1,12 @@
 """The recompute planner on megatron-core's own TransformerBlock (megatron-core's GPTModel built
 through the switch, megatron_core.megatron): which plans its TransformerConfig expresses, and
-:class:`MegatronCoreBlock`, the view of its block that the probe (plan_probe.py) drives.
+:class:`MegatronCoreBlock`, the view of its block that the probe (probe.py) drives.
 
 megatron-core decides a layer's selective recompute when the layer is built (from
 ``recompute_granularity`` / ``recompute_modules``: flags of each TransformerLayer and of its
 attention) and reads the full recompute's fields from the config at every forward. The view
 sets both in place, for the settings megatron-core expresses, and sets the planner's marks
-(:class:`~megatron_core.tensor_parallel.recompute.plan_probe.LayerMarks`) with module hooks:
+(:class:`~megatron_core.tensor_parallel.recompute.planner.probe.LayerMarks`) with module hooks:
 nothing of megatron-core is imported here or patched; its block is recognised by its type.
 """
 
@@ -193,7 +193,7 @@ class MegatronCoreBlock:
 
     @property
     def probe(self):
-        """The planner's marks (plan_probe.LayerMarks) while a probe step runs, else None."""
+        """The planner's marks (probe.LayerMarks) while a probe step runs, else None."""
         return self._probe
 
     @probe.setter

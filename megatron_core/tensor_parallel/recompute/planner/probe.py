@@ -3,8 +3,8 @@ bytes between marks of one training step (:class:`MemoryTimeline`), the marks a
 :class:`~megatron_core.transformer.TransformerBlock` sets around each layer
 (:class:`LayerMarks`), and the bytes of the model states (:func:`model_state_bytes`).
 
-The model that turns these measurements into a prediction, and the search, are in plan.py
-(NOTE [ Recompute planner ]).
+The model that turns these measurements into a prediction, and the search, are in search.py
+(NOTE [ Recompute planner ] in the planner's face).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from megatron_core import compat, device
 from megatron_core.errors import MegatronCoreError
 from megatron_core.parallel_state.handed import recording_frees
 from megatron_core.tensor_parallel.recompute.memory import storage_key_and_nbytes
-from megatron_core.tensor_parallel.recompute.plan_megatron import (
+from megatron_core.tensor_parallel.recompute.planner.megatron import (
     MegatronCoreBlock,
     is_megatron_core_block,
 )
@@ -270,7 +270,7 @@ def _find_blocks(model: torch.nn.Module) -> list:
     """The model's layer stack: the one submodule with ``set_layer_recompute`` and ``probe``
     (megatron_core.transformer's TransformerBlock; found by what it offers, so this module does
     not import the transformer family above it), or megatron-core's own TransformerBlock, seen
-    through :class:`~megatron_core.tensor_parallel.recompute.plan_megatron.MegatronCoreBlock`."""
+    through :class:`~megatron_core.tensor_parallel.recompute.planner.megatron.MegatronCoreBlock`."""
     blocks = []
     for module in model.modules():
         if is_megatron_core_block(module):

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_core.tensor_parallel.recompute.plan_measure import stage_max
-from megatron_core.tensor_parallel.recompute.plan_probe import _find_blocks, step_peak, time_step
-from megatron_core.tensor_parallel.recompute.plan_search import (
+from megatron_core.tensor_parallel.recompute.planner.measure import stage_max
+from megatron_core.tensor_parallel.recompute.planner.probe import _find_blocks, step_peak, time_step
+from megatron_core.tensor_parallel.recompute.planner.search import (
     StageMeasure,
     _megatron_candidates,
     _overhead,
@@ -230,7 +230,7 @@ def _least(chunks, forwards, plans: list, count: int) -> list[float]:
 
 def _one_step_peak(chunk, forward, choices) -> int:
     """The peak of one microbatch's forward and backward of ``chunk`` with ``choices``, above
-    what was allocated before it (plan_probe.step_peak)."""
+    what was allocated before it (probe.step_peak)."""
     block = _find_blocks(chunk)[0]
     block.set_layer_recompute(choices)
     try:

@@ -1,10 +1,10 @@
 """The recompute planner's measuring: probe a stage with every option, agree across ranks.
 
-:func:`measure_stage` runs the probe steps of NOTE [ Recompute planner ] (plan.py), rule 2, on
-one model chunk and reduces their timelines to a :class:`StageMeasure`; :func:`measure_chunks`
-joins the chunks of an interleaved schedule (rule 3). The numbers every rank plans with are the
-largest over the ranks of the pipeline stage (rule 5: :func:`stage_max`, and the agreement
-check that raises on every rank alike).
+:func:`measure_stage` runs the probe steps of NOTE [ Recompute planner ] (the planner's face),
+rule 2, on one model chunk and reduces their timelines to a :class:`StageMeasure`;
+:func:`measure_chunks` joins the chunks of an interleaved schedule (rule 3). The numbers every
+rank plans with are the largest over the ranks of the pipeline stage (rule 5: :func:`stage_max`,
+and the agreement check that raises on every rank alike).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 from megatron_core import device, parallel_state
 from megatron_core.errors import MegatronCoreError
-from megatron_core.tensor_parallel.recompute.plan_megatron import (
+from megatron_core.tensor_parallel.recompute.planner.megatron import (
     MegatronCoreBlock,
     megatron_options,
 )
-from megatron_core.tensor_parallel.recompute.plan_probe import (
+from megatron_core.tensor_parallel.recompute.planner.probe import (
     Probe,
     _find_blocks,
     gradient_bytes,
@@ -30,7 +30,7 @@ from megatron_core.tensor_parallel.recompute.plan_probe import (
     probe_step,
     time_step,
 )
-from megatron_core.tensor_parallel.recompute.plan_search import (
+from megatron_core.tensor_parallel.recompute.planner.search import (
     OptionMeasure,
     StageMeasure,
     _flop_floors,
