@@ -542,27 +542,35 @@ def test_the_megatron_setting_reported_is_the_plan_chosen(monkeypatch):
     assert decided.megatron["fields"] == {"recompute_modules": ["core_attn"]}
 
 
-@pytest.mark.parametrize("full_flop_ms, rival", [(1.5, ["full", "none"]), (2.5, None)])
-def test_the_megatron_setting_that_recomputes_least_is_a_rival_whatever_its_timed_cost(
-    full_flop_ms, rival
-):
+@pytest.mark.parametrize("limit, rivals", [
+    (12, [["full", "none"]]),  # full on layer 1 fits; on both layers it recomputes all of that
+    (11, []),  # full on layer 1 does not fit; what does recomputes all core_attn does and more
+    (20, [["selective:mlp"] * 2, ["full", "none"]]),  # selective mlp fits too
+])  # fmt: skip
+def test_every_megatron_setting_that_fits_is_a_rival_whatever_its_timed_cost(limit, rivals):
     # NOTE [ Recompute planner ], rule 4: the time model (measured beside other work) rates full
-    # recompute of one layer at 30 ms, far above 1.5x core attention's 4 ms; where it recomputes
-    # a smaller FLOP share than core attention on both layers it is timed in the contest anyway
+    # recompute of one layer at 30 ms, far above core attention's 4 ms: it is timed in the
+    # contest anyway, as is every setting that fits, except one recomputing all that another
+    # fitting setting does and more (full on both layers, core_attn+mlp)
     from megatron_core.tensor_parallel.recompute.planner import contest
     from megatron_core.tensor_parallel.recompute.planner.search import OptionMeasure, StageMeasure
 
     options = {
         "none": OptionMeasure(10, 1, 1, 0, 0.0, flop_ms=0.0),
         "selective:core_attn": OptionMeasure(5, 1, 1, 0, 2.0, flop_ms=1.0),
-        "full": OptionMeasure(1, 1, 1, 0, 30.0, flop_ms=full_flop_ms),
+        "selective:mlp": OptionMeasure(9, 1, 1, 0, 9.0, flop_ms=3.0),
+        "selective:core_attn+mlp": OptionMeasure(4, 1, 1, 0, 11.0, flop_ms=4.0),
+        "full": OptionMeasure(1, 1, 1, 0, 30.0, flop_ms=6.0),
     }
     stage = StageMeasure(2, 0, 0, 0, 0, 0, 1.0, options)
     selective = ["selective:core_attn"] * 2  # predicted 11; full on the first layer 12
     best = {"fields": {"recompute_modules": ["core_attn"]}, "choices": selective,
             "predicted_peak": 11, "overhead_ms": 4.0}  # fmt: skip
-    found = contest.rivals(stage, 12, 0, True, selective, best)
-    assert [r["choices"] for r in found] == ([rival] if rival else [])
+    found = contest.rivals(stage, limit, 0, True, selective, best)
+    assert [r["choices"] for r in found] == rivals
+    for rival in found:
+        assert rival["source"] == "megatron" and rival["predicted_peak"] <= limit
+        assert "fields" in rival
 
 
 def _near_the_budget(tp, share):

@@ -104,10 +104,12 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    No plan fits: the error names the smallest budget that fits (a bisection over the budget) and
    what that plan recomputes. Last, the plans that fit and could be the fastest are timed side by
    side (contest.py): the search's plan, the fastest megatron-core setting that fits (rule 6),
-   its rivals (``RecomputePlan.rivals``: the megatron-core settings predicted within 1.5x of its
-   overhead plus twice the noise, at most two, the one that recomputes the least FLOP share, which a
-   time model measured beside other work can rate far too high, and the search's plan under the
-   FLOP-share costs alone) and the near-budget edges below. Where they differ, each runs at least 5
+   its rivals (``RecomputePlan.rivals``: every other megatron-core setting that fits, save one
+   that recomputes all that another fitting setting does and more -- whatever the time model
+   rates it, since a time model measured beside other work can rate a setting far above its true
+   cost: beside two busy loops it put full recompute of 3 of 6 layers above 1.5x selective
+   core_attn, which it beat by 1.28x side by side -- and the search's plan under the FLOP-share
+   costs alone) and the near-budget edges below. Where they differ, each runs at least 5
    rounds of one step, round-robin in a rotated order (the slowest rank's times), those within 15%
    of the fastest by its least round run as many rounds again, and the fastest by its least round of
    all is the plan (``RecomputePlan.timed``), unless it recomputes all that another candidate does

@@ -40,7 +40,6 @@ __all__ = [
 CONTEST_ROUNDS = 5  # rounds of the timed candidates (at least; more where ``repeats`` asks)
 CLEAR_SHARE = 0.01  # a candidate whose least round is this much above the fastest's is slower
 RECHECK_SHARE = 0.15  # the candidates this close to the fastest run a second set of rounds
-_MEGATRON_RIVALS = 2
 
 
 def rivals(
@@ -49,36 +48,27 @@ def rivals(
 ) -> list[dict]:  # fmt: skip
     """Plans that fit ``limit`` (bytes above ``static``) beside ``chosen`` and ``megatron``
     whose true step may be the fastest, each ``{"source", "choices", "predicted_peak",
-    "overhead_ms"}`` (and ``fields`` for a megatron-core setting): megatron-core settings
-    predicted within 1.5x of the best one's overhead plus twice the timing noise (at most two)
-    and the one with the least FLOP share of recompute (where it is less than the best one's),
-    and, for a per-layer plan, the search's plan under the FLOP-share costs alone (rule 2's
+    "overhead_ms"}`` (and ``fields`` for a megatron-core setting): every megatron-core setting
+    that fits, except one that recomputes all another fitting setting does and more
+    (:func:`recomputes_all_of`: its work cannot be less), whatever the time model rates it --
+    a time model measured beside other work can rate a setting far above its true cost -- and,
+    for a per-layer plan, the search's plan under the FLOP-share costs alone (rule 2's
     fallback), where it differs."""
     found: list[dict] = []
     if megatron is not None:
-        ceiling = 1.5 * megatron["overhead_ms"] + 2 * stage.noise_ms
-        others, least_flops = [], None
+        fitting = []
         for fields, choices in _megatron_candidates(stage):
             peak = predict_peak(stage, choices)
-            if peak > limit or choices == megatron["choices"]:
+            if peak <= limit:
+                fitting.append({"source": "megatron", "fields": fields, "choices": choices,
+                                "predicted_peak": static + peak,
+                                "overhead_ms": _overhead(stage, choices)})  # fmt: skip
+        for rival in fitting:
+            if rival["choices"] == megatron["choices"] or any(
+                recomputes_all_of(rival["choices"], other["choices"]) for other in fitting
+            ):
                 continue
-            cost = _overhead(stage, choices)
-            rival = {"source": "megatron", "fields": fields, "choices": choices,
-                     "predicted_peak": static + peak, "overhead_ms": cost}  # fmt: skip
-            if cost <= ceiling:
-                others.append(rival)
-            share = flop_overhead(stage, choices)
-            if least_flops is None or share < least_flops[0]:
-                least_flops = (share, rival)
-        found += sorted(others, key=lambda rival: rival["overhead_ms"])[:_MEGATRON_RIVALS]
-        # the setting that recomputes the least: a time model measured beside other work can
-        # rate it far above its true cost (and so above the ceiling), its FLOP share cannot
-        if (
-            least_flops is not None
-            and least_flops[0] < flop_overhead(stage, megatron["choices"])
-            and all(rival["choices"] != least_flops[1]["choices"] for rival in found)
-        ):
-            found.append(least_flops[1])
+            found.append(rival)
     if not megatron_only:
         flops = search_plan(with_flop_costs(stage), limit)
         if flops is not None and flops[0] != chosen:
