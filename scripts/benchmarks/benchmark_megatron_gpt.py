@@ -19,8 +19,9 @@ marks an iteration there but the backward passes themselves (NOTE [ Check window
 
 A round's CPU time is the sum over ranks of ``time.process_time()``, its wall time the slowest
 rank's. The report gives medians of per-round ratios (default / off paired within a launch;
-ours / own between launches, which alternate ``--launches`` times) and the totals over all rounds,
-the first included (where the window's checks are paid).
+ours / own between launches, ``--launches`` pairs in alternating order), the totals over all
+rounds, the first included (where the window's checks are paid), and the ratios of each mode's
+least round after the first (a shared machine only adds to a round's work).
 
     python scripts/benchmarks/benchmark_megatron_gpt.py --rounds 11 --steps 5
 """
@@ -218,9 +219,13 @@ def main() -> None:
     swaps = {}  # launch kind -> (dropout swaps per step, CPU us per swap) on rank 0
     paired, later, against_own = [], [], []  # per-round CPU ratios
     rest = {"default": 0.0, "off": 0.0, "own": 0.0}  # CPU s after each launch's first round
-    for _ in range(args.launches):
+    rest_rounds = {"default": [], "off": [], "own": []}  # (CPU, wall) after each first round
+    for pair in range(args.launches):  # the order swapped every pair
+        if pair % 2:
+            own = run_ranks(_rank, args.tp, "own", args)
         ours = run_ranks(_rank, args.tp, "ours", args)
-        own = run_ranks(_rank, args.tp, "own", args)
+        if pair % 2 == 0:
+            own = run_ranks(_rank, args.tp, "own", args)
         swaps["ours"], swaps["own"] = ours.pop("swap")[0], own.pop("swap")[0]
         paired += [d[0] / o[0] for d, o in zip(ours["default"], ours["off"])]
         later += paired[len(paired) - args.rounds + 1 :]
@@ -228,6 +233,7 @@ def main() -> None:
         for mode, values in [*ours.items(), *own.items()]:
             rounds[mode] += values
             rest[mode] += sum(c for c, _ in values[1:])
+            rest_rounds[mode] += values[1:]
     print(
         f"megatron-core GPTModel, TP={args.tp}, {args.layers} layers, hidden {args.hidden}, "
         f"seq {args.seq}, {args.microbatches} x {args.micro_batch} sequences per step, "
@@ -260,6 +266,15 @@ def main() -> None:
             f"(rank 0), {cost:.2f} us each alone: {count * cost / 1e6 / per_rank_step:.4%} of a "
             "rank's step"
         )
+    # a shared machine only ever adds to a round's work: the least round of each mode after
+    # each launch's first is the one closest to the step's own cost (over --launches launches
+    # for ours / own, which cannot share a process)
+    least = {m: min(c for c, _ in v) for m, v in rest_rounds.items() if v}
+    print(
+        f"least round after the first: default / off {least['default'] / least['off']:.4f}; "
+        f"ours default / own {least['default'] / least['own']:.4f}; ours off / own "
+        f"{least['off'] / least['own']:.4f}"
+    )
     if later:  # the first round of each launch left out: the window's steps are there
         print(
             f"after the first round: default / off {statistics.median(later):.4f} (median of "

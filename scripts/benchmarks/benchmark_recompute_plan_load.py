@@ -4,10 +4,11 @@ For each model (megatron-core's GPTModel through the switch, local spec; our GPT
 hidden 96, 6 heads, sequence 320, micro-batch 3, AdamW, one CPU process: the sizes of
 ``check_recompute_plan_total.py``) and each budget, ``--runs`` fresh processes each plan once
 (``plan_recompute``) on a quiet machine, and as many beside ``--load`` busy-loop processes (each
-a Python ``while True: pass``, started before and stopped after). Then every distinct plan chosen
-at a budget runs side by side in one quiet process: ``--repeats`` rounds, each plan one training
-step a round in a rotated order, timed by this thread's CPU time (the planner's clock) and by the
-wall clock; medians.
+a Python ``while True: pass``, started before and stopped after) or, with ``--beside suite``,
+beside the test suite (README's command, 2 workers, run over and over). Then every distinct
+plan chosen at a budget runs side by side in one quiet process: ``--repeats`` rounds, each plan
+one training step a round in a rotated order, timed by this thread's CPU time (the planner's
+clock) and by the wall clock; medians.
 
     python scripts/benchmarks/benchmark_recompute_plan_load.py --model megatron \
         --budgets 80MiB 115.6MiB 150MiB
@@ -23,6 +24,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -72,12 +74,34 @@ def _busy(count: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
+def _suite() -> list[subprocess.Popen]:
+    """The repository's test suite (README's command), over and over in a session of its own
+    (so that killing the session stops its workers too), its output discarded."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    loop = f"while true; do {sys.executable} -m pytest tests -q -p no:cacheprovider; done"
+    return [subprocess.Popen(["bash", "-c", loop], cwd=root, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]  # fmt: skip
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            process.kill()
+        process.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("megatron", "ours"), default="megatron")
     parser.add_argument("--budgets", nargs="+", default=["80MiB", "115.6MiB", "150MiB"])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--load", type=int, default=2, help="busy-loop processes beside")
+    parser.add_argument(
+        "--beside", choices=("busy", "suite"), default="busy",
+        help="the load: --load busy loops, or the test suite run over and over",
+    )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -90,13 +114,14 @@ def main() -> None:
         else:
             print(json.dumps(_compare(args.model, json.loads(rest), args.repeats)))
         return
-    print(f"model {args.model}; {args.runs} runs quiet, {args.runs} beside {args.load} busy "
-          f"loops; machine: {os.cpu_count()} CPUs", flush=True)  # fmt: skip
+    beside = f"{args.load} busy loops" if args.beside == "busy" else "the test suite"
+    print(f"model {args.model}; {args.runs} runs quiet, {args.runs} beside {beside}; machine: "
+          f"{os.cpu_count()} CPUs", flush=True)  # fmt: skip
     for budget in args.budgets:
         seen: dict[str, dict] = {}
         counts = collections.Counter()
         for loaded in (False, True):
-            busy = _busy(args.load) if loaded else []
+            busy = [] if not loaded else _busy(args.load) if args.beside == "busy" else _suite()
             try:
                 for _ in range(args.runs):
                     planned = _child(args.model, f"plan:{budget}")
@@ -104,9 +129,7 @@ def main() -> None:
                     seen.setdefault(key, planned)
                     counts[(key, loaded)] += 1
             finally:
-                for process in busy:
-                    process.kill()
-                    process.wait()
+                _stop(busy)
         keys = list(seen)
         times = _child(args.model, "compare:" + json.dumps([seen[k] for k in keys]))
         fastest = min(cpu for cpu, _ in times)
