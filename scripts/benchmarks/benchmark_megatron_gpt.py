@@ -24,6 +24,8 @@ rounds, the first included (where the window's checks are paid), and the ratios 
 least round after the first (a shared machine only adds to a round's work).
 
     python scripts/benchmarks/benchmark_megatron_gpt.py --rounds 11 --steps 5
+    python scripts/benchmarks/benchmark_megatron_gpt.py --rounds 41 --steps 1 --launches 4 \
+        --loop forward-backward
 """
 
 from __future__ import annotations
