@@ -35,7 +35,10 @@ NOTE [ The allocator's total on the CPU ]
    such counter, so :func:`allocated_bytes` takes a census on the CPU: every live CPU storage,
    each once, that the garbage collector's tensors and storages (and the gradients of the leaf
    tensors among them) lead to, and that torch's allocator made (a resizable storage: not
-   numpy's, a file's or a Python buffer's memory, which torch only wraps).
+   numpy's, a file's or a Python buffer's memory, which torch only wraps). Tensors in reference
+   cycles the collector has not reached yet are among them (as in ``memory_allocated``): the
+   recompute planner's census and its measured totals collect first, since when the collector
+   runs depends on what every thread allocated.
 2. What it cannot see: storages only C++ holds (an autograd graph's saved tensors, a
    collective's buffers while gloo's worker still has them). Between training steps there are
    none of the first, and the second are freed as the collective ends; so the census is taken

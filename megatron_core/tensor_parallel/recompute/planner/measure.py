@@ -10,6 +10,7 @@ and the agreement check that raises on every rank alike).
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable, Sequence
 
 import torch
@@ -180,8 +181,9 @@ def allocated_before_step(model, optimizer=None) -> tuple[int, int]:
     libraries made at a first step and keep, the data, whatever else is alive), plus the
     optimizer states its first step will make (``pending_optimizer_state_bytes``); the model
     states as counted from the objects (``model_state_bytes``), that same pending part
-    included."""
+    included. Garbage in reference cycles is collected first."""
     model.zero_grad(set_to_none=True)
+    gc.collect()  # cyclic garbage not yet collected is no state of a step (probe.MemoryTimeline)
     device.synchronize()
     pending = pending_optimizer_state_bytes(optimizer)
     return device.allocated_bytes() + pending, model_state_bytes(model, optimizer) + pending

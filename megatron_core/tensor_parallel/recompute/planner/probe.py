@@ -9,6 +9,7 @@ The model that turns these measurements into a prediction, and the search, are i
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -63,7 +64,8 @@ class MemoryTimeline:
     With ``total``, :attr:`start_total` is the allocator's total as the block began, nothing
     subtracted (``device.allocated_bytes``: on CUDA ``memory_allocated``, on the CPU the census
     of NOTE [ The allocator's total on the CPU ] in device.py), so that ``start_total`` plus a
-    point's peak is the total at that peak (on CUDA exactly ``max_memory_allocated``).
+    point's peak is the total at that peak (on CUDA exactly ``max_memory_allocated``), the
+    garbage in reference cycles collected first.
     """
 
     def __init__(self, total: bool = False) -> None:
@@ -75,6 +77,11 @@ class MemoryTimeline:
         self._base = 0
 
     def __enter__(self) -> MemoryTimeline:
+        if self.total:
+            # tensors in reference cycles that the collector has not reached yet are still
+            # allocated, and when it reaches them depends on what every thread allocated so
+            # far: a census with them counts a transient that the next step may not see
+            gc.collect()
         if self.cuda:
             device.synchronize()
             self._base = self.start_total = device.memory_allocated()
