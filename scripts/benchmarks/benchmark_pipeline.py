@@ -29,7 +29,7 @@ and one training step runs through ``get_forward_backward_func()`` twice:
    (Narayanan et al. 2021, section 2.2). ``p2p s`` is the stage's time inside p2p calls and
    ``exchanges`` their number: interleaving makes vp times as many, each paying the latency.
 
-The numbers go to stdout as a markdown table (copied into BENCHMARKS.md).
+The numbers go to stdout as a markdown table (copied into docs/benchmarks/pipeline.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the half dtype for bf16/fp16) and draws the same batches and dropout masks.
     python scripts/benchmarks/precision_drift.py --iters 20 --tp 1              # shorter
     python scripts/benchmarks/precision_drift.py --device cuda --tp 1  # a GPU (TP ranks need GPUs)
 
-Results go in BENCHMARKS.md ("Mixed precision"). Only loss values are compared; no timing.
+Results go in docs/benchmarks/mixed-precision.md. Only loss values are compared; no timing.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 # --transformer-impl transformer_engine (the switch serves the Transformer Engine stand-in), every
 # fusion left on (where a fused kernel needs Transformer Engine, apex or CUDA, megatron-core's
 # unfused path or the stand-in runs), the "nccl" backend (the CPU mode serves it with gloo),
-# initialization on the "GPU" (README "Megatron-LM's own training script on a laptop").
+# initialization on the "GPU" (docs/guides/megatron-lm-on-a-laptop.md).
 # $EXTRA_FLAGS are added to every run (e.g. "--transformer-impl local" for megatron-core's local
 # spec). Python: $PYTHON (default python). Logs stay in $OUT (default a temporary folder).
 # Prints one line per scenario ("ok" or "FAIL", what was compared, the losses) and exits 1 if any
