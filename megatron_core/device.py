@@ -1,4 +1,4 @@
-"""The one place that knows the device (DESIGN.md, device rule).
+"""The one place that knows the device.
 
 Everything else in megatron_core asks this module for the device type, the default
 torch.distributed backend, the current device and the device's random generator. No other module

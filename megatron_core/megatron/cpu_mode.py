@@ -1,7 +1,7 @@
 """The switch's CPU mode: megatron-core's CUDA-only code runs on the CPU without a user patch.
 
 This is the one module of the package that replaces ``torch.cuda`` names and turns the "nccl"
-backend into gloo (DESIGN.md's device rule names it as the exception). :func:`configure` is called
+backend into gloo (device.py names it as the one exception to its rule). :func:`configure` is called
 by ``megatron_core.megatron.install``; every name it answers is in :data:`ANSWERED`.
 
 # NOTE [ CUDA on the CPU ]

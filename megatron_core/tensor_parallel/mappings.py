@@ -1,4 +1,4 @@
-"""Communication regions of tensor and sequence parallelism (STYLE.md 3).
+"""Communication regions of tensor and sequence parallelism.
 
 Three layers: the private collectives of ``_collectives.py`` (no autograd) -> one private
 autograd class per region, whose docstring says what forward and backward do and names the paper's

@@ -22,7 +22,7 @@ from megatron_core import consistency, parallel_state
 from megatron_core.errors import MegatronCoreError
 from megatron_core.utils.groups import get_pg_rank, get_pg_size
 
-try:  # apex's fused weight-gradient GEMMs; optional (DESIGN.md, apex rule)
+try:  # apex's fused weight-gradient GEMMs; optional, never a dependency
     import fused_weight_gradient_mlp_cuda as _apex_wgrad
 except ImportError:
     _apex_wgrad = None

@@ -18,7 +18,7 @@ from megatron_core.tensor_parallel import _collectives as C
 from megatron_core.tensor_parallel.linear.amp import custom_bwd, custom_fwd
 from megatron_core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-try:  # apex's fused weight-gradient GEMMs; optional (DESIGN.md, apex rule)
+try:  # apex's fused weight-gradient GEMMs; optional, never a dependency
     import fused_weight_gradient_mlp_cuda as _apex_wgrad
 except ImportError:
     _apex_wgrad = None
