@@ -1,9 +1,9 @@
 """torch across its releases: the version as a number, and each API this package uses that is
 newer than its floor (torch 2.6, megatron-core's own), with the fallback for older releases.
 
-Everything version-dependent goes through here (every torch a user has, 2.6 to the newest); the floor
-lane of CI (README "Support matrix") runs the fallbacks. Checks look for the feature itself where
-torch exposes one, and at the release number otherwise.
+Everything version-dependent goes through here (every torch a user has, 2.6 to the newest); the
+floor lane of CI (README "Support matrix") runs the fallbacks. Checks look for the feature itself
+where torch exposes one, and at the release number otherwise.
 """
 
 from __future__ import annotations
