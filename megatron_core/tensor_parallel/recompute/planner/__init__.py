@@ -110,15 +110,21 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    cost: beside two busy loops it put full recompute of 3 of 6 layers above 1.5x selective
    core_attn, which it beat by 1.28x side by side -- and the search's plan under the FLOP-share
    costs alone) and the near-budget edges below. Where they differ, each runs at least 5
-   rounds of one step, round-robin in a rotated order (the slowest rank's times), those within 15%
-   of the fastest by its least round run as many rounds again, and the fastest by its least round of
-   all is the plan (``RecomputePlan.timed``), unless it recomputes all that another candidate does
-   and more (full where the other keeps a layer, or more modules of it): its work cannot be less, so
-   it is kept only where it was more than 15% faster, and otherwise the fastest of the rest is the
-   plan (on 2 shared cores a step of megatron-core's GPTModel with full recompute of 3 layers read
-   4-9% faster than with 2 in the contest's rounds of 2 of 8 quiet processes, and 6% slower side by
-   side); where others are within 1% of it, the one with the least FLOP share of recompute among
-   them, so that a difference the rounds cannot see is decided by what does not move
+   rounds of one step, round-robin in a rotated order (the slowest rank's times), and a
+   candidate's time is the median over the rounds of its step over the geometric mean of all the
+   candidates' steps in that round, times the median of those means (``contest.paired_times``):
+   plans that ran back to back compare far more steadily than their steps do (on 2 shared cores
+   one step of megatron-core's GPTModel read 400 to 601 ms within one quiet process, and the
+   least rounds there ranked selective core_attn 6% faster than full recompute of 3 layers, which
+   is faster side by side; beside the test suite one run of five chose it). Those within 15% of
+   the fastest run as many rounds again and are timed from all the rounds that ran them together,
+   and the fastest is the plan (``RecomputePlan.timed``), unless it recomputes all that another
+   candidate does and more (full where the other keeps a layer, or more modules of it): its work
+   cannot be less, so it is kept only where it was more than 15% faster, and otherwise the fastest
+   of the rest is the plan (on 2 shared cores a step of megatron-core's GPTModel with full recompute
+   of 3 layers read 4-9% faster than with 2 in the contest's rounds of 2 of 8 quiet processes, and
+   6% slower side by side); where others are within 1% of it, the one with the least FLOP share of
+   recompute among them, so that a difference the rounds cannot see is decided by what does not move
    (``RecomputePlan.chosen_by``). The time model is a sum of per-layer costs from uniform probes,
    and a mixed plan's step can cost more than that sum (on a CPU one layer's core-attention
    recompute among layers that keep theirs cost 2-4x its uniform share), so the plan is never

@@ -4,7 +4,8 @@ and may be the fastest run side by side, and the time they measure chooses among
 :func:`rivals` names the plans beside the search's (or megatron-core's) own that a noisy or
 biased time model could have ranked wrongly; :func:`timed_choice` measures the near-budget
 edges' peaks, times every candidate in rounds, runs those within 15% of the fastest as many
-rounds again, and keeps the fastest by its least round -- unless it recomputes all another
+rounds again, and keeps the fastest by its rounds paired with the others' (:func:`paired_times`)
+-- unless it recomputes all another
 candidate does and more without being 15% faster (:func:`recomputes_all_of`) -- or, where the
 rounds cannot tell it within 1% from another, the one that recomputes the smallest share of the
 FLOPs.
@@ -13,6 +14,8 @@ FLOPs.
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 
 from megatron_core.tensor_parallel.recompute.planner.measure import stage_max
 from megatron_core.tensor_parallel.recompute.planner.probe import _find_blocks, step_peak, time_step
@@ -32,13 +35,14 @@ __all__ = [
     "rivals",
     "timed_choice",
     "recomputes_all_of",
+    "paired_times",
     "CONTEST_ROUNDS",
     "CLEAR_SHARE",
     "RECHECK_SHARE",
 ]
 
 CONTEST_ROUNDS = 5  # rounds of the timed candidates (at least; more where ``repeats`` asks)
-CLEAR_SHARE = 0.01  # a candidate whose least round is this much above the fastest's is slower
+CLEAR_SHARE = 0.01  # a candidate whose time is this much above the fastest's is slower
 RECHECK_SHARE = 0.15  # the candidates this close to the fastest run a second set of rounds
 
 
@@ -83,12 +87,11 @@ def timed_choice(plan, chunks, forwards, repeats: int):
     with its choices (the stage's largest peak) and joins the candidates where
     :func:`fits_when_measured`; where the candidates (the per-layer plan, the megatron one, the
     edges that fit, the rivals) differ, each runs ``max(repeats, CONTEST_ROUNDS)`` timed steps
-    (round-robin, rotated; the slowest rank's times), and a candidate's time is its least
-    round: a shared machine only ever adds to a step's work (another hardware thread on the
-    core, the caches), so the least round is the one closest to the step's own; on 2 shared
-    cores it still read a plan 6.5% slower than another as the faster in one run of ten. So
-    the candidates within ``RECHECK_SHARE`` of the fastest run as many rounds again, and the
-    fastest of all rounds is kept; where others are within ``CLEAR_SHARE`` of it, the one with
+    (round-robin, rotated; the slowest rank's times), and a candidate's time is the median of
+    its steps over the others' in the same rounds (:func:`paired_times`). The candidates within
+    ``RECHECK_SHARE`` of the fastest run as many rounds again, and their times are taken again
+    from all the rounds that ran them together; the fastest is kept; where others are within
+    ``CLEAR_SHARE`` of it, the one with
     the least FLOP share of recompute among them (rule 2's fallback), so that a difference
     the rounds cannot see does not decide. The time model adds
     per-layer costs measured on uniform probes; a mixed plan's step can cost more than that sum
@@ -131,13 +134,18 @@ def timed_choice(plan, chunks, forwards, repeats: int):
         return dataclasses.replace(plan, edges=edges, megatron=megatron)
     names = list(distinct.values())
     count = max(repeats, CONTEST_ROUNDS)
-    least = dict(zip(names, _least(chunks, forwards, [candidates[n][0] for n in names], count)))
+
+    def run(which: list[str]) -> dict[str, list[float]]:
+        return dict(zip(which, _rounds(chunks, forwards, [candidates[n][0] for n in which], count)))
+
+    batches = [run(names)]
+    least = paired_times(batches, names)
     close = _close(least, RECHECK_SHARE)
     if len(close) > 1:  # compare again: the close ones, as many rounds more
-        again = _least(chunks, forwards, [candidates[n][0] for n in close], count)
-        least.update({n: min(least[n], ms) for n, ms in zip(close, again)})
+        batches.append(run(close))
+        least.update(paired_times(batches, close))
     # a plan that recomputes all another does and more cannot be faster by its work: it is
-    # kept only where its least round beats the other's by more than RECHECK_SHARE
+    # kept only where its time beats the other's by more than RECHECK_SHARE
     kept = {
         name: ms for name, ms in least.items()
         if not any(recomputes_all_of(candidates[name][0], candidates[other][0])
@@ -200,10 +208,10 @@ def _close(least: dict[str, float], share: float) -> list[str]:
     return [name for name, ms in least.items() if ms <= best * (1 + share)]
 
 
-def _least(chunks, forwards, plans: list, count: int) -> list[float]:
-    """Per plan, the least of ``count`` rounds of its step's milliseconds (every chunk's
-    microbatch summed; each round the slowest rank's), the plans run round-robin in a rotated
-    order (a slow spell of a shared machine hits them alike)."""
+def _rounds(chunks, forwards, plans: list, count: int) -> list[list[float]]:
+    """Per plan, ``count`` rounds of its step's milliseconds (every chunk's microbatch summed;
+    each round the slowest rank's), the plans run round-robin in a rotated order, so that the
+    plans of one round run within a few seconds of each other."""
     times: list[list[float]] = [[0.0] * count for _ in plans]
     for round_ in range(count):
         for i in range(len(plans)):
@@ -215,7 +223,31 @@ def _least(chunks, forwards, plans: list, count: int) -> list[float]:
     for chunk in chunks:
         _find_blocks(chunk)[0].set_layer_recompute(None)
     flat = stage_max([ms for plan_times in times for ms in plan_times])
-    return [min(flat[i * count : (i + 1) * count]) for i in range(len(plans))]
+    return [flat[i * count : (i + 1) * count] for i in range(len(plans))]
+
+
+def paired_times(batches: list[dict[str, list[float]]], names: list[str]) -> dict[str, float]:
+    """Each of ``names``' step milliseconds from rounds that paired them: in every round of
+    every batch that ran all of ``names`` (``{name: [ms per round]}``), a name's step over
+    the geometric mean of the names' steps in that round; a name's time is the median of its
+    ratios times the median of the rounds' means. A shared machine's slow spells last seconds
+    and a plan's steps drift within a process (on 2 shared cores, one step of megatron-core's
+    GPTModel read 400 to 601 ms within one quiet process), so a ratio within a round, where
+    the plans ran back to back, moves far less than a step: in that process selective
+    core_attn (2-25% slower than full recompute of 3 layers side by side, in five processes)
+    read 6% faster by the least rounds and 10% slower by paired ratios."""
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    means: list[float] = []
+    for batch in batches:
+        if not all(name in batch for name in names):
+            continue
+        for row in zip(*(batch[name] for name in names)):
+            mean = math.exp(sum(math.log(max(ms, 1e-9)) for ms in row) / len(row))
+            means.append(mean)
+            for name, ms in zip(names, row):
+                ratios[name].append(ms / mean)
+    scale = statistics.median(means)
+    return {name: statistics.median(values) * scale for name, values in ratios.items()}
 
 
 def _one_step_peak(chunk, forward, choices) -> int:

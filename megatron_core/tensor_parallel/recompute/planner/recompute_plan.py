@@ -38,11 +38,11 @@ class RecomputePlan:
             megatron-core settings close to the best one and the one that recomputes the
             least FLOP share, the FLOP-share search's plan), each
             a dict like an edge's; they join the timed candidates.
-        chosen_by: "model" (the time model alone: nothing else to time), "time" (the fastest
-            timed candidate, by its least round), "less recompute" (the fastest recomputes
-            all a candidate does and more, and was not 15% faster than it: that one) or
-            "flops" (of the timed candidates the rounds could not tell apart from the fastest,
-            the least FLOP share of recompute).
+        chosen_by: "model" (the time model alone: nothing else to time), "time" (the fastest timed
+            candidate, by its rounds paired with the others'), "less recompute" (the fastest
+            recomputes all a candidate does and more, and was not 15% faster than it: that one) or
+            "flops" (of the timed candidates the rounds could not tell apart from the fastest, the
+            least FLOP share of recompute).
         edges: the per-layer plan and the megatron setting that are predicted faster but fit
             only without the 2% margin (rule 4), each a dict with ``source`` ("plan" or
             "megatron"), ``choices``, ``predicted_peak``, ``overhead_ms`` (and ``fields``);
@@ -130,7 +130,7 @@ class RecomputePlan:
                    "them is the plan", "less recompute": "the fastest recomputes all of a plan "
                    "timed within 15% of it and more: that plan is the plan"}  # fmt: skip
             how = how[self.chosen_by]
-            lines.append(f"  timed per microbatch, the least of its rounds: {said} ({how})")
+            lines.append(f"  timed per microbatch, by rounds paired: {said} ({how})")
         if self.megatron is None:
             lines.append("  megatron-core TransformerConfig: no single setting fits")
         else:
