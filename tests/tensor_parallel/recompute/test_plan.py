@@ -573,6 +573,38 @@ def test_the_megatron_setting_reported_is_the_plan_chosen(monkeypatch):
     assert decided.megatron["fields"] == {"recompute_modules": ["core_attn"]}
 
 
+@pytest.mark.parametrize("limit, chosen, costlier", [
+    (16, ["selective:core_attn", "none"], ["full", "none"]),
+    (11, ["selective:core_attn"] * 2, ["full", "full"]),
+    (12, ["full", "none"], None),  # no selective option in the plan
+])  # fmt: skip
+def test_the_search_again_with_a_selective_option_costing_more_is_a_rival(
+    limit, chosen, costlier
+):
+    # NOTE [ Recompute planner ], rule 4: core attention recomputed among layers that keep
+    # theirs can cost 2-4x its uniform probe's time, so the per-layer plan that leans on it
+    # meets, in the contest, the search's plan with it costing twice as much
+    from megatron_core.tensor_parallel.recompute.planner import RecomputePlan, contest
+    from megatron_core.tensor_parallel.recompute.planner.search import OptionMeasure, StageMeasure
+
+    options = {
+        "none": OptionMeasure(10, 1, 1, 0, 0.0, flop_ms=0.0),
+        "selective:core_attn": OptionMeasure(5, 1, 1, 0, 2.0, flop_ms=1.0),
+        "full": OptionMeasure(1, 1, 1, 0, 3.0, flop_ms=3.0),
+    }
+    stage = StageMeasure(2, 0, 0, 0, 0, 0, 10.0, options)
+    assert search_plan(stage, limit)[0] == chosen
+    found = [r for r in contest.rivals(stage, limit, 0, False, chosen, None)
+             if r["source"] == "costlier"]  # fmt: skip
+    assert [r["choices"] for r in found] == ([costlier] if costlier else [])
+    for rival in found:
+        assert rival["option"] == "selective:core_attn" and rival["predicted_peak"] <= limit
+        plan = RecomputePlan(chosen, limit, False, 11, 4.0, 10.0, None, stage, rivals=[rival])
+        plan = dataclasses.replace(plan, timed={"plan_ms": 1.0, "costlier_0_ms": 2.0},
+                                   chosen_by="time")  # fmt: skip
+        assert "the search's plan with selective:core_attn costing more" in str(plan)
+
+
 @pytest.mark.parametrize("limit, rivals", [
     (12, [["full", "none"]]),  # full on layer 1 fits; on both layers it recomputes all of that
     (11, []),  # full on layer 1 does not fit; what does recomputes all core_attn does and more

@@ -29,6 +29,7 @@ from megatron_core.tensor_parallel.recompute.planner.search import (
     predict_peak,
     search_plan,
     with_flop_costs,
+    with_option_costing,
 )
 
 __all__ = [
@@ -39,11 +40,13 @@ __all__ = [
     "CONTEST_ROUNDS",
     "CLEAR_SHARE",
     "RECHECK_SHARE",
+    "COSTLIER",
 ]
 
 CONTEST_ROUNDS = 5  # rounds of the timed candidates (at least; more where ``repeats`` asks)
 CLEAR_SHARE = 0.01  # a candidate whose time is this much above the fastest's is slower
 RECHECK_SHARE = 0.15  # the candidates this close to the fastest run a second set of rounds
+COSTLIER = 2.0  # a selective option's time, over its uniform probe's, in the costlier searches
 
 
 def rivals(
@@ -57,7 +60,9 @@ def rivals(
     (:func:`recomputes_all_of`: its work cannot be less), whatever the time model rates it --
     a time model measured beside other work can rate a setting far above its true cost -- and,
     for a per-layer plan, the search's plan under the FLOP-share costs alone (rule 2's
-    fallback), where it differs."""
+    fallback) and, for each selective option ``chosen`` uses, the search's plan with that
+    option costing ``COSTLIER`` times its probe's time (``"source": "costlier"``, and
+    ``"option"``), where they differ."""
     found: list[dict] = []
     if megatron is not None:
         fitting = []
@@ -74,11 +79,22 @@ def rivals(
                 continue
             found.append(rival)
     if not megatron_only:
+        seen = [list(chosen)] + [rival["choices"] for rival in found]
         flops = search_plan(with_flop_costs(stage), limit)
-        if flops is not None and flops[0] != chosen:
+        if flops is not None and flops[0] not in seen:
+            seen.append(flops[0])
             found.append({"source": "flops", "choices": flops[0],
                           "predicted_peak": static + predict_peak(stage, flops[0]),
                           "overhead_ms": _overhead(stage, flops[0])})  # fmt: skip
+        # the search again with each selective option the plan uses costing COSTLIER times its
+        # uniform probe's time: recomputed among layers that keep theirs it can cost 2-4x that
+        for name in dict.fromkeys(c for c in chosen if c.startswith("selective:")):
+            other = search_plan(with_option_costing(stage, name, COSTLIER), limit)
+            if other is not None and other[0] not in seen:
+                seen.append(other[0])
+                found.append({"source": "costlier", "option": name, "choices": other[0],
+                              "predicted_peak": static + predict_peak(stage, other[0]),
+                              "overhead_ms": _overhead(stage, other[0])})  # fmt: skip
     return found
 
 

@@ -84,6 +84,8 @@ class RecomputePlan:
         rival = self.rivals[int(index)]
         if source == "flops":
             return f"the FLOP-share search's plan {rival['choices']}"
+        if source == "costlier":
+            return f"the search's plan with {rival['option']} costing more {rival['choices']}"
         fields = ", ".join(f"{k}={v!r}" for k, v in rival["fields"].items())
         return f"megatron-core's {fields}"
 

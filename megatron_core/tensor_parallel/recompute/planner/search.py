@@ -23,6 +23,7 @@ __all__ = [
     "search_plan",
     "smallest_fit",
     "with_flop_costs",
+    "with_option_costing",
 ]
 
 
@@ -204,6 +205,15 @@ def _overhead(stage: StageMeasure, choices: Sequence[str]) -> float:
 def flop_overhead(stage: StageMeasure, choices: Sequence[str]) -> float:
     """The FLOP-share milliseconds of ``choices``' recompute (rule 2's fallback)."""
     return sum(stage.options[c].flop_ms for c in choices)
+
+
+def with_option_costing(stage: StageMeasure, name: str, factor: float) -> StageMeasure:
+    """``stage`` with option ``name`` costing ``factor`` times its measured time (its chunks'
+    too)."""
+    options = dict(stage.options)
+    options[name] = dataclasses.replace(options[name], extra_ms=factor * options[name].extra_ms)
+    chunks = tuple(with_option_costing(chunk, name, factor) for chunk in stage.chunk_stages)
+    return dataclasses.replace(stage, options=options, chunk_stages=chunks)
 
 
 def with_flop_costs(stage: StageMeasure) -> StageMeasure:
