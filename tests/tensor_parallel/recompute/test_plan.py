@@ -583,7 +583,7 @@ def test_the_search_again_with_a_selective_option_costing_more_is_a_rival(
 ):
     # NOTE [ Recompute planner ], rule 4: core attention recomputed among layers that keep
     # theirs can cost 2-4x its uniform probe's time, so the per-layer plan that leans on it
-    # meets, in the contest, the search's plans with it costing twice and four times as much
+    # meets, in the contest, the search's plan with it costing twice as much
     from megatron_core.tensor_parallel.recompute.planner import RecomputePlan, contest
     from megatron_core.tensor_parallel.recompute.planner.search import OptionMeasure, StageMeasure
 

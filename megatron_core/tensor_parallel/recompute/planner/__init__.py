@@ -109,9 +109,9 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    rates it, since a time model measured beside other work can rate a setting far above its true
    cost: beside two busy loops it put full recompute of 3 of 6 layers above 1.5x selective
    core_attn, which it beat by 1.28x side by side -- the search's plan under the FLOP-share
-   costs alone, and, for each selective option the plan uses, the search's plans with that option
-   costing twice and four times its uniform probe's time, since among layers that keep theirs it
-   can cost 2-4x that) and the near-budget edges below. Where they differ, each runs at least 5
+   costs alone, and, for each selective option the plan uses, the search's plan with that option
+   costing twice its uniform probe's time, since among layers that keep theirs it can cost 2-4x
+   that) and the near-budget edges below. Where they differ, each runs at least 5
    rounds of one step, round-robin in a rotated order (the slowest rank's times), and a
    candidate's time is the median over the rounds of its step over the geometric mean of all the
    candidates' steps in that round, times the median of those means (``contest.paired_times``):

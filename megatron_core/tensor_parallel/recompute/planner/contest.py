@@ -46,7 +46,7 @@ __all__ = [
 CONTEST_ROUNDS = 5  # rounds of the timed candidates (at least; more where ``repeats`` asks)
 CLEAR_SHARE = 0.01  # a candidate whose time is this much above the fastest's is slower
 RECHECK_SHARE = 0.15  # the candidates this close to the fastest run a second set of rounds
-COSTLIER = (2.0, 4.0)  # a selective option's times over its uniform probe's, searched again
+COSTLIER = 2.0  # a selective option's time, over its uniform probe's, in the costlier searches
 
 
 def rivals(
@@ -61,7 +61,7 @@ def rivals(
     a time model measured beside other work can rate a setting far above its true cost -- and,
     for a per-layer plan, the search's plan under the FLOP-share costs alone (rule 2's
     fallback) and, for each selective option ``chosen`` uses, the search's plan with that
-    option costing each of ``COSTLIER`` times its probe's time (``"source": "costlier"``, and
+    option costing ``COSTLIER`` times its probe's time (``"source": "costlier"``, and
     ``"option"``), where they differ."""
     found: list[dict] = []
     if megatron is not None:
@@ -86,14 +86,11 @@ def rivals(
             found.append({"source": "flops", "choices": flops[0],
                           "predicted_peak": static + predict_peak(stage, flops[0]),
                           "overhead_ms": _overhead(stage, flops[0])})  # fmt: skip
-        # the search again with each selective option the plan uses costing each of COSTLIER
-        # times its uniform probe's time: recomputed among layers that keep theirs it can cost
-        # 2-4x that
+        # the search again with each selective option the plan uses costing COSTLIER times its
+        # uniform probe's time: recomputed among layers that keep theirs it can cost 2-4x that
         for name in dict.fromkeys(c for c in chosen if c.startswith("selective:")):
-            for factor in COSTLIER:
-                other = search_plan(with_option_costing(stage, name, factor), limit)
-                if other is None or other[0] in seen:
-                    continue
+            other = search_plan(with_option_costing(stage, name, COSTLIER), limit)
+            if other is not None and other[0] not in seen:
                 seen.append(other[0])
                 found.append({"source": "costlier", "option": name, "choices": other[0],
                               "predicted_peak": static + predict_peak(stage, other[0]),
