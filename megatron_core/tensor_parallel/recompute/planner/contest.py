@@ -5,10 +5,9 @@ and may be the fastest run side by side, and the time they measure chooses among
 biased time model could have ranked wrongly; :func:`timed_choice` measures the near-budget
 edges' peaks, times every candidate in rounds, runs those within 15% of the fastest as many
 rounds again, and keeps the fastest by its rounds paired with the others' (:func:`paired_times`)
--- unless it recomputes all another
-candidate does and more without being 15% faster (:func:`recomputes_all_of`) -- or, where the
-rounds cannot tell it within 1% from another, the one that recomputes the smallest share of the
-FLOPs.
+-- unless it recomputes all another candidate does and more without being 15% faster
+(:func:`recomputes_all_of`) -- or, where the rounds cannot tell it within 1% from another, the
+one that recomputes the smallest share of the FLOPs.
 """
 
 from __future__ import annotations
