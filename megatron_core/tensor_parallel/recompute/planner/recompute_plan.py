@@ -35,9 +35,10 @@ class RecomputePlan:
             ``edge_megatron_ms`` for the edges that fit as measured) and the fastest became
             :attr:`choices` (rule 4); else None.
         rivals: other plans that fit and may be faster than the time model says (rule 4:
-            megatron-core settings close to the best one and the one that recomputes the
-            least FLOP share, the FLOP-share search's plan), each
-            a dict like an edge's; they join the timed candidates.
+            every other megatron-core setting that fits, save one recomputing all another
+            does and more; the FLOP-share search's plan; the search's plan with a selective
+            option it uses costing twice as much), each a dict like an edge's; they join the
+            timed candidates.
         chosen_by: "model" (the time model alone: nothing else to time), "time" (the fastest timed
             candidate, by its rounds paired with the others'), "less recompute" (the fastest
             recomputes all a candidate does and more, and was not 15% faster than it: that one) or
