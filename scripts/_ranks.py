@@ -7,6 +7,8 @@ from __future__ import annotations
 import queue as queue_module
 import socket
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -38,3 +40,13 @@ def run_ranks(target, world: int, *args):
         if p.exitcode:
             raise SystemExit(f"{world} ranks: a rank exited with {p.exitcode}")
     return result
+
+
+def cpu_sum_wall_max(cpu: float, wall: float) -> tuple[float, float]:
+    """A round's CPU seconds summed over the default group's ranks and its wall seconds, the
+    slowest rank's (two all_reduces: call it on every rank)."""
+    cpu_sum = torch.tensor([cpu], dtype=torch.float64)
+    wall_max = torch.tensor([wall], dtype=torch.float64)
+    dist.all_reduce(cpu_sum)
+    dist.all_reduce(wall_max, op=dist.ReduceOp.MAX)
+    return cpu_sum.item(), wall_max.item()

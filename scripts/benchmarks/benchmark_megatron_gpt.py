@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from scripts._ranks import run_ranks  # noqa: E402
+from scripts._ranks import cpu_sum_wall_max, run_ranks  # noqa: E402
 
 
 def _build(args):
@@ -187,12 +187,7 @@ def _rank(rank: int, impl: str, args, port: int, queue) -> None:
             for _ in range(args.steps):
                 step()
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-            both = torch.tensor([cpu, wall], dtype=torch.float64)
-            cpu_sum = both[:1].clone()
-            dist.all_reduce(cpu_sum)
-            wall_max = both[1:].clone()
-            dist.all_reduce(wall_max, op=dist.ReduceOp.MAX)
-            times[mode].append((cpu_sum.item(), wall_max.item()))
+            times[mode].append(cpu_sum_wall_max(cpu, wall))
     times["swap"] = _dropout_swaps(step)
     if rank == 0:
         queue.put(times)

@@ -187,15 +187,21 @@ def _sleep_step(data_iterator, model):
     return out, lambda output: (output.mean(), {})
 
 
-def _time_schedule(opts, pp, vp, m) -> tuple[float, float, int]:
-    """(p2p seconds, wall seconds, exchanges) of one step of sleeping chunks."""
+def _sleep_chunks(opts, vp, **options) -> list:
+    """This stage's ``vp or 1`` sleeping chunks, a forward of ``opts.forward_ms`` per stage
+    (split among its chunks) and a backward of twice that."""
     sleep = (opts.forward_ms / 1e3 / (vp or 1), 2 * opts.forward_ms / 1e3 / (vp or 1))
     chunks = []
     for c in range(vp or 1):
         first = parallel_state.is_pipeline_first_stage() and c == 0
         last = parallel_state.is_pipeline_last_stage() and c == (vp or 1) - 1
-        chunks.append(_SleepChunk(first, last, sleep))
-    p2p = _TimedP2P(parallel_state.get_pipeline_model_parallel_group(), chunks[0].config)
+        chunks.append(_SleepChunk(first, last, sleep, **options))
+    return chunks
+
+
+def _run_step(chunks, vp, m, **schedule) -> float:
+    """Wall seconds of one step of the schedule over ``chunks`` (``m`` microbatches), after a
+    barrier; ``schedule``: further arguments of the forward-backward function."""
     dist.barrier()
     start = time.perf_counter()
     get_forward_backward_func()(
@@ -205,9 +211,16 @@ def _time_schedule(opts, pp, vp, m) -> tuple[float, float, int]:
         num_microbatches=m,
         seq_length=_SleepChunk.SHAPE[0],
         micro_batch_size=_SleepChunk.SHAPE[1],
-        p2p_communicator=p2p if pp > 1 else None,
+        **schedule,
     )
-    wall = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def _time_schedule(opts, pp, vp, m) -> tuple[float, float, int]:
+    """(p2p seconds, wall seconds, exchanges) of one step of sleeping chunks."""
+    chunks = _sleep_chunks(opts, vp)
+    p2p = _TimedP2P(parallel_state.get_pipeline_model_parallel_group(), chunks[0].config)
+    wall = _run_step(chunks, vp, m, p2p_communicator=p2p if pp > 1 else None)
     dist.barrier()
     return p2p.waited, wall, p2p.exchanges
 
@@ -263,25 +276,8 @@ def _bubble_walls(opts, pp, vp, m, options, repeats) -> list[float]:
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp
     )
-    sleep = (opts.forward_ms / 1e3 / (vp or 1), 2 * opts.forward_ms / 1e3 / (vp or 1))
-    chunks = []
-    for c in range(vp or 1):
-        first = parallel_state.is_pipeline_first_stage() and c == 0
-        last = parallel_state.is_pipeline_last_stage() and c == (vp or 1) - 1
-        chunks.append(_SleepChunk(first, last, sleep, **options))
-    walls = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        get_forward_backward_func()(
-            forward_step_func=_sleep_step,
-            data_iterator=[iter(range(m)) for _ in chunks] if vp else iter(range(m)),
-            model=chunks if vp else chunks[0],
-            num_microbatches=m,
-            seq_length=_SleepChunk.SHAPE[0],
-            micro_batch_size=_SleepChunk.SHAPE[1],
-        )
-        walls.append(time.perf_counter() - start)
+    chunks = _sleep_chunks(opts, vp, **options)
+    walls = [_run_step(chunks, vp, m) for _ in range(repeats + 1)]
     return walls[1:]
 
 

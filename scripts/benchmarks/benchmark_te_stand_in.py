@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from scripts._ranks import run_ranks  # noqa: E402
+from scripts._ranks import cpu_sum_wall_max, run_ranks  # noqa: E402
 
 
 def _build(args, seq: int, spec_name: str):
@@ -93,13 +93,9 @@ def _rank(rank: int, args, port: int, queue) -> None:
                 cpu, wall = time.process_time(), time.perf_counter()
                 for _ in range(args.steps):
                     _step(models[name], optimizers[name], args, seq, gen)
-                both = torch.tensor(
-                    [time.process_time() - cpu, time.perf_counter() - wall], dtype=torch.float64
+                times[name].append(
+                    cpu_sum_wall_max(time.process_time() - cpu, time.perf_counter() - wall)
                 )
-                cpu_sum, wall_max = both[:1].clone(), both[1:].clone()
-                dist.all_reduce(cpu_sum)
-                dist.all_reduce(wall_max, op=dist.ReduceOp.MAX)
-                times[name].append((cpu_sum.item(), wall_max.item()))
         results[seq] = times
     if rank == 0:
         queue.put(results)
