@@ -125,11 +125,18 @@ Example (our GPT; ``forward`` returns the scalar loss of one microbatch)::
    cannot be less, so it is kept only where it was more than 15% faster, and otherwise the fastest
    of the rest is the plan (on 2 shared cores a step of megatron-core's GPTModel with full recompute
    of 3 layers read 4-9% faster than with 2 in the contest's rounds of 2 of 8 quiet processes, and
-   6% slower side by side); where others are within 1% of it, the one with the least FLOP share of
-   recompute among them, so that a difference the rounds cannot see is decided by what does not move
-   (``RecomputePlan.chosen_by``). The time model is a sum of per-layer costs from uniform probes,
-   and a mixed plan's step can cost more than that sum (on a CPU one layer's core-attention
-   recompute among layers that keep theirs cost 2-4x its uniform share), so the plan is never
+   6% slower side by side). Before that, the fastest runs more sets of rounds (at most 4) with
+   every candidate within 15% whose step over the fastest's, round by round, the rounds cannot yet
+   place: the 95% interval of that ratio's median (the sign test's) neither lies above 1.01 (then
+   the candidate is out) nor ends at or below it (``contest.median_interval``). On 2 shared cores
+   ten rounds were not enough: core attention recomputed on 5 of our GPT's 6 layers, 5.7% slower
+   than the fastest plan in 23 of 30 rounds back to back, read within 1% often enough to be
+   chosen in 4 of 10 runs. Where others are within 1% of the fastest, the one with the least FLOP
+   share of recompute among them, so that a difference the rounds cannot see is decided by what
+   does not move (``RecomputePlan.chosen_by``). The time model is a sum of per-layer costs from
+   uniform probes, and a mixed plan's step can cost more than that sum (on a CPU one layer's
+   core-attention recompute among layers that keep theirs cost 2-4x its uniform share), so the
+   plan is never
    clearly slower than megatron-core's best that fits as measured there. Near the budget, rule 5's
    2% margin can shut out a faster plan that does fit (megatron-core's "none" at a budget just above
    its peak): the search and the megatron settings are weighed again without the margin, each such

@@ -4,10 +4,12 @@ and may be the fastest run side by side, and the time they measure chooses among
 :func:`rivals` names the plans beside the search's (or megatron-core's) own that a noisy or
 biased time model could have ranked wrongly; :func:`timed_choice` measures the near-budget
 edges' peaks, times every candidate in rounds, runs those within 15% of the fastest as many
-rounds again, and keeps the fastest by its rounds paired with the others' (:func:`paired_times`)
--- unless it recomputes all another candidate does and more without being 15% faster
-(:func:`recomputes_all_of`) -- or, where the rounds cannot tell it within 1% from another, the
-one that recomputes the smallest share of the FLOPs.
+rounds again, then the fastest with the ones its rounds cannot yet place (neither clearly more
+than 1% slower nor clearly within 1%: :func:`median_interval` of :func:`pair_ratios`) in more
+sets of rounds, and keeps the fastest by its rounds paired with the others'
+(:func:`paired_times`) -- unless it recomputes all another candidate does and more without being
+15% faster (:func:`recomputes_all_of`) -- or, where the rounds cannot tell it within 1% from
+another, the one that recomputes the smallest share of the FLOPs.
 """
 
 from __future__ import annotations
@@ -40,12 +42,16 @@ __all__ = [
     "CLEAR_SHARE",
     "RECHECK_SHARE",
     "COSTLIER",
+    "SETTLE_BATCHES",
+    "pair_ratios",
+    "median_interval",
 ]
 
 CONTEST_ROUNDS = 5  # rounds of the timed candidates (at least; more where ``repeats`` asks)
 CLEAR_SHARE = 0.01  # a candidate whose time is this much above the fastest's is slower
 RECHECK_SHARE = 0.15  # the candidates this close to the fastest run a second set of rounds
 COSTLIER = 2.0  # a selective option's time, over its uniform probe's, in the costlier searches
+SETTLE_BATCHES = 4  # at most this many more sets of rounds for the candidates not yet placed
 
 
 def rivals(
@@ -105,10 +111,16 @@ def timed_choice(plan, chunks, forwards, repeats: int):
     (round-robin, rotated; the slowest rank's times), and a candidate's time is the median of
     its steps over the others' in the same rounds (:func:`paired_times`). The candidates within
     ``RECHECK_SHARE`` of the fastest run as many rounds again, and their times are taken again
-    from all the rounds that ran them together; the fastest is kept; where others are within
-    ``CLEAR_SHARE`` of it, the one with
-    the least FLOP share of recompute among them (rule 2's fallback), so that a difference
-    the rounds cannot see does not decide. The time model adds
+    from all the rounds that ran them together. Then, up to ``SETTLE_BATCHES`` times, the
+    fastest runs as many rounds again with each candidate within ``RECHECK_SHARE`` whose step
+    over the fastest's, round by round, is neither clearly above ``1 + CLEAR_SHARE`` nor
+    clearly at most that (the 95% interval of its median, :func:`median_interval`); one
+    clearly above is out. The fastest left is kept; where others are within ``CLEAR_SHARE`` of
+    it, the one with the least FLOP share of recompute among them (rule 2's fallback), so that
+    a difference the rounds cannot see does not decide. On 2 shared cores a candidate 5.7%
+    slower round by round (core attention recomputed on 5 of our GPT's 6 layers) read within
+    1% of the fastest in 10 rounds often enough to be chosen, by its FLOP share, in 4 of 10
+    runs; placing it costs a plan about 20 s more there. The time model adds
     per-layer costs measured on uniform probes; a mixed plan's step can cost more than that sum
     (on a CPU, recomputing one layer's core attention beside layers that keep theirs cost 2-4x
     its uniform share), and every candidate fits the budget."""
@@ -159,13 +171,25 @@ def timed_choice(plan, chunks, forwards, repeats: int):
     if len(close) > 1:  # compare again: the close ones, as many rounds more
         batches.append(run(close))
         least.update(paired_times(batches, close))
-    # a plan that recomputes all another does and more cannot be faster by its work: it is
-    # kept only where its time beats the other's by more than RECHECK_SHARE
-    kept = {
-        name: ms for name, ms in least.items()
-        if not any(recomputes_all_of(candidates[name][0], candidates[other][0])
-                   and ms * (1 + RECHECK_SHARE) > least[other] for other in least)
-    }  # fmt: skip
+    slower: set[str] = set()  # clearly slower than the fastest, round by round
+    for settled in range(SETTLE_BATCHES + 1):  # the ones the rounds cannot yet place run again
+        kept = _kept(least, candidates)
+        best = min(kept, key=kept.__getitem__)
+        open_ = []
+        for name in _close(kept, RECHECK_SHARE):
+            if name == best or name in slower:
+                continue
+            low, high = median_interval(pair_ratios(batches, name, best))
+            if low > 1 + CLEAR_SHARE:
+                slower.add(name)
+            elif high > 1 + CLEAR_SHARE:
+                open_.append(name)
+        if not open_ or settled == SETTLE_BATCHES:
+            break
+        batches.append(run([best] + open_))
+        least.update(paired_times(batches, [best] + open_))
+    times, least = least, {name: ms for name, ms in least.items() if name not in slower}
+    kept = _kept(least, candidates)
     fastest = min(least, key=least.__getitem__)
     best = min(kept, key=kept.__getitem__)
     close = _close(kept, CLEAR_SHARE)
@@ -173,10 +197,10 @@ def timed_choice(plan, chunks, forwards, repeats: int):
     chosen = min(close, key=lambda n: (flops[n], n != best, least[n]))
     by = "flops" if chosen != best else "time" if best == fastest else "less recompute"
     choices, peak, overhead = candidates[chosen]
-    timed = {f"{name}_ms": least[name] for name in names}
+    timed = {f"{name}_ms": times[name] for name in names}
     # the megatron setting reported: the chosen plan where it is one (under any name), else
     # the fastest-timed one
-    ms = {name: least[distinct[tuple(candidates[name][0])]] for name in megatron_dicts}
+    ms = {name: times[distinct[tuple(candidates[name][0])]] for name in megatron_dicts}
     same = [name for name in megatron_dicts if list(candidates[name][0]) == list(choices)]
     if same:
         megatron = megatron_dicts[same[0]]
@@ -186,6 +210,40 @@ def timed_choice(plan, chunks, forwards, repeats: int):
         plan, choices=list(choices), predicted_peak=peak, overhead_ms=overhead, timed=timed,
         edges=edges, megatron=megatron, chosen_by=by,
     )  # fmt: skip
+
+
+def _kept(least: dict[str, float], candidates: dict) -> dict[str, float]:
+    """``least`` without the candidates that recompute all another does and more (their work
+    cannot be less) yet are not more than ``RECHECK_SHARE`` faster than it."""
+    return {
+        name: ms for name, ms in least.items()
+        if not any(recomputes_all_of(candidates[name][0], candidates[other][0])
+                   and ms * (1 + RECHECK_SHARE) > least[other] for other in least)
+    }  # fmt: skip
+
+
+def pair_ratios(batches: list[dict[str, list[float]]], name: str, other: str) -> list[float]:
+    """``name``'s step over ``other``'s in each round of ``batches`` that ran both."""
+    return [
+        mine / max(theirs, 1e-9)
+        for batch in batches if name in batch and other in batch
+        for mine, theirs in zip(batch[name], batch[other])
+    ]  # fmt: skip
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval holding the median of what ``values`` sample with at least
+    ``confidence``: the k-th least and k-th greatest value, k the largest whose binomial tail
+    (n = len(values), p = 1/2) below it stays within (1 - confidence) / 2 on each side (the
+    sign test's interval); (-inf, inf) where too few values reach it (n < 6 at 95%)."""
+    n, ordered = len(values), sorted(values)
+    tail, below, k = (1 - confidence) / 2, 0.0, 0
+    while k < n and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return -math.inf, math.inf
+    return ordered[k - 1], ordered[n - k]
 
 
 def _recompute_set(choice: str) -> frozenset | None:

@@ -42,8 +42,9 @@ class RecomputePlan:
         chosen_by: "model" (the time model alone: nothing else to time), "time" (the fastest timed
             candidate, by its rounds paired with the others'), "less recompute" (the fastest
             recomputes all a candidate does and more, and was not 15% faster than it: that one) or
-            "flops" (of the timed candidates the rounds could not tell apart from the fastest, the
-            least FLOP share of recompute).
+            "flops" (of the timed candidates the rounds could not tell apart from the fastest
+            within 1%, after more rounds for those they could not yet place, the least FLOP
+            share of recompute).
         edges: the per-layer plan and the megatron setting that are predicted faster but fit
             only without the 2% margin (rule 4), each a dict with ``source`` ("plan" or
             "megatron"), ``choices``, ``predicted_peak``, ``overhead_ms`` (and ``fields``);
