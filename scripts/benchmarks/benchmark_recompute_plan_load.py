@@ -8,7 +8,11 @@ a Python ``while True: pass``, started before and stopped after) or, with ``--be
 beside the test suite (README's command, 2 workers, run over and over). Then every distinct
 plan chosen at a budget runs side by side in one quiet process: ``--repeats`` rounds, each plan
 one training step a round in a rotated order, timed by this thread's CPU time (the planner's
-clock) and by the wall clock; medians.
+clock) and by the wall clock. A plan's CPU time is its rounds paired with the others' (the
+contest's ``paired_times``: the median of its step over the round's geometric mean, times the
+median of those means), since a step's time swings by tens of percent within one process on a
+shared machine; beside it, the rounds in which the plan was slower than the fastest plan, and
+the wall time's median.
 
     python scripts/benchmarks/benchmark_recompute_plan_load.py --model megatron \
         --budgets 80MiB 115.6MiB 150MiB
@@ -34,11 +38,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from scripts.checks import check_recompute_plan_total as total  # noqa: E402
 
 
-def _compare(kind: str, plans: list[dict], repeats: int) -> list[tuple[float, float]]:
-    """Per plan (its ``fields`` and ``choices``), the median CPU and wall ms of a training step,
-    the plans run round-robin in one process."""
-    import torch
-
+def _compare(kind: str, plans: list[dict], repeats: int) -> list[tuple[float, float, int]]:
+    """Per plan (its ``fields`` and ``choices``), a training step's CPU ms by its rounds paired
+    with the others', the wall ms' median and the rounds it was slower than the plan fastest by
+    CPU, the plans run round-robin in one process."""
+    from megatron_core.tensor_parallel.recompute.planner.contest import pair_ratios, paired_times
     from megatron_core.tensor_parallel.recompute.planner.probe import _find_blocks
 
     total._start(kind)
@@ -57,8 +61,12 @@ def _compare(kind: str, plans: list[dict], repeats: int) -> list[tuple[float, fl
             if round_:  # the first round warms each plan up
                 cpu[index].append((time.thread_time() - start_cpu) * 1e3)
                 wall[index].append((time.perf_counter() - start_wall) * 1e3)
-    del torch
-    return [(sorted(c)[len(c) // 2], sorted(w)[len(w) // 2]) for c, w in zip(cpu, wall)]
+    names = [str(i) for i in range(len(plans))]
+    batch = dict(zip(names, cpu))
+    paired = paired_times([batch], names)
+    fastest = min(names, key=paired.__getitem__)
+    slower = [sum(r > 1 for r in pair_ratios([batch], n, fastest)) for n in names]
+    return [(paired[n], sorted(w)[len(w) // 2], k) for n, w, k in zip(names, wall, slower)]
 
 
 def _child(kind: str, run: str) -> dict:
@@ -102,7 +110,7 @@ def main() -> None:
         "--beside", choices=("busy", "suite"), default="busy",
         help="the load: --load busy loops, or the test suite run over and over",
     )  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
@@ -132,16 +140,17 @@ def main() -> None:
                 _stop(busy)
         keys = list(seen)
         times = _child(args.model, "compare:" + json.dumps([seen[k] for k in keys]))
-        fastest = min(cpu for cpu, _ in times)
+        fastest = min(cpu for cpu, _, _ in times)
         print(f"\nbudget {budget}:")
-        print("| plan | quiet | loaded | predicted peak (MiB) | CPU ms / step | vs fastest | "
+        print("| plan | quiet | loaded | predicted peak (MiB) | CPU ms / step (paired) | "
+              f"vs fastest | rounds slower than the fastest (of {args.repeats}) | "
               "wall ms / step |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|")
-        for key, (cpu, wall) in zip(keys, times):
+        print("|---|---|---|---|---|---|---|---|")
+        for key, (cpu, wall, slower) in zip(keys, times):
             shown = seen[key]["fields"] if args.model == "megatron" else key
             print(f"| {shown} | {counts[(key, False)]} | {counts[(key, True)]} | "
                   f"{seen[key]['predicted'] / 2**20:.1f} | {cpu:.1f} | {cpu / fastest:.3f} | "
-                  f"{wall:.1f} |", flush=True)  # fmt: skip
+                  f"{slower} | {wall:.1f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
