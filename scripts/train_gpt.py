@@ -15,6 +15,7 @@ megatron_core.training.
 import os
 import sys
 
+from megatron_core import device
 from megatron_core.training import check_locally, initialize_distributed, parse_args, train
 from megatron_core.training.launcher import launch
 
@@ -31,6 +32,8 @@ def main() -> int:
     # and the peer would report that instead (NOTE [ Clean exits ], rule 1).
     corpus = check_locally(args, int(os.environ.get("WORLD_SIZE", "1")))
     initialize_distributed(args.device, args.distributed_timeout_minutes)
+    if device.device_type() == "cpu":  # a step's large tensors reuse memory, not fault it in
+        device.keep_freed_host_memory()
     train(args, corpus=corpus)
     return 0
 

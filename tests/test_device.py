@@ -117,3 +117,42 @@ def test_the_step_timer_counts_work_not_waiting():
             pass
     assert waited.ms < 50, waited.ms
     assert worked.ms >= 100, worked.ms
+
+
+_FAULTS = """
+import json, resource, torch
+from megatron_core import device
+
+def faults(n):  # minor page faults of making and freeing a 40 MiB CPU tensor, n times
+    out = []
+    for _ in range(n):
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        block = torch.ones(10 << 20)
+        del block
+        out.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    return out
+
+print(json.dumps([faults(3), device.keep_freed_host_memory(), faults(4)]))
+"""
+
+
+def test_kept_host_memory_is_not_faulted_in_again():
+    # a 40 MiB block is above glibc's largest dynamic mmap threshold (32 MiB): by default each
+    # one is an mmap of its own, returned at its free and faulted in again; kept, the heap
+    # serves it again after the first one or two. A process of its own: the setting is for
+    # the process
+    import ctypes
+    import json
+    import subprocess
+    import sys
+
+    try:
+        ctypes.CDLL(None).gnu_get_libc_version  # noqa: B018
+    except (OSError, AttributeError):
+        pytest.skip("the C library is not glibc")
+    done = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, took, after = json.loads(done.stdout.strip().splitlines()[-1])
+    assert took is True
+    assert min(before) > 2000, before  # 40 MiB is 10,240 pages (5,120 where huge pages fold)
+    assert max(after[2:]) < 64, after
