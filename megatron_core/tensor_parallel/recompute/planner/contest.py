@@ -120,7 +120,9 @@ def timed_choice(plan, chunks, forwards, repeats: int):
     a difference the rounds cannot see does not decide. On 2 shared cores a candidate 5.7%
     slower round by round (core attention recomputed on 5 of our GPT's 6 layers) read within
     1% of the fastest in 10 rounds often enough to be chosen, by its FLOP share, in 4 of 10
-    runs; placing it costs a plan about 20 s more there. The time model adds
+    runs; placing it costs a plan about 20 s more there. (Rounds place a plan in the planning
+    process's conditions: with glibc's default malloc a CPU step's cost also moves with the
+    process's history, NOTE [ Recompute planner ], rule 2.) The time model adds
     per-layer costs measured on uniform probes; a mixed plan's step can cost more than that sum
     (on a CPU, recomputing one layer's core attention beside layers that keep theirs cost 2-4x
     its uniform share), and every candidate fits the budget."""
