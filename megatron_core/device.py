@@ -329,7 +329,7 @@ def keep_freed_host_memory(mmap_threshold: int = 1 << 30) -> bool:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 (glibc's own name: not glibc raises here)
         mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: no CDLL(None) (Windows)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     took = mallopt(_M_MMAP_THRESHOLD, min(int(mmap_threshold), (1 << 31) - 1)) == 1
