@@ -143,16 +143,22 @@ def test_kept_host_memory_is_not_faulted_in_again():
     # the process
     import ctypes
     import json
+    import os
     import subprocess
     import sys
 
     try:
         ctypes.CDLL(None).gnu_get_libc_version  # noqa: B018
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         pytest.skip("the C library is not glibc")
-    done = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True)
+    tuned = ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    env = {k: v for k, v in os.environ.items() if k not in tuned}  # glibc's defaults
+    done = subprocess.run(
+        [sys.executable, "-c", _FAULTS], capture_output=True, text=True, env=env
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     before, took, after = json.loads(done.stdout.strip().splitlines()[-1])
     assert took is True
-    assert min(before) > 2000, before  # 40 MiB is 10,240 pages (5,120 where huge pages fold)
-    assert max(after[2:]) < 64, after
+    # 40 MiB is 10,240 pages of 4 KiB, or 20 huge pages of 2 MiB where the kernel gives those
+    assert min(before) >= 10, before
+    assert max(after[2:]) * 10 <= min(before), (before, after)
