@@ -207,23 +207,27 @@ def flop_overhead(stage: StageMeasure, choices: Sequence[str]) -> float:
     return sum(stage.options[c].flop_ms for c in choices)
 
 
+def _with_costs(stage: StageMeasure, cost) -> StageMeasure:
+    """``stage`` with each option's time ``cost(name, option)`` (its chunks' too)."""
+    options = {
+        name: dataclasses.replace(option, extra_ms=cost(name, option))
+        for name, option in stage.options.items()
+    }
+    chunks = tuple(_with_costs(chunk, cost) for chunk in stage.chunk_stages)
+    return dataclasses.replace(stage, options=options, chunk_stages=chunks)
+
+
 def with_option_costing(stage: StageMeasure, name: str, factor: float) -> StageMeasure:
     """``stage`` with option ``name`` costing ``factor`` times its measured time (its chunks'
     too)."""
-    options = dict(stage.options)
-    options[name] = dataclasses.replace(options[name], extra_ms=factor * options[name].extra_ms)
-    chunks = tuple(with_option_costing(chunk, name, factor) for chunk in stage.chunk_stages)
-    return dataclasses.replace(stage, options=options, chunk_stages=chunks)
+    return _with_costs(
+        stage, lambda other, option: option.extra_ms * (factor if other == name else 1.0)
+    )
 
 
 def with_flop_costs(stage: StageMeasure) -> StageMeasure:
     """``stage`` with every option costing its FLOP share alone (its chunks' too)."""
-    options = {
-        name: dataclasses.replace(option, extra_ms=option.flop_ms)
-        for name, option in stage.options.items()
-    }
-    chunks = tuple(with_flop_costs(chunk) for chunk in stage.chunk_stages)
-    return dataclasses.replace(stage, options=options, chunk_stages=chunks)
+    return _with_costs(stage, lambda name, option: option.flop_ms)
 
 
 def search_plan(stage: StageMeasure, limit: int) -> tuple[list[str], int, float] | None:
